@@ -1,0 +1,62 @@
+"""The interface every architecture implements, so the runner never needs to know which one."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from specserve.model.layers.attention import Attention, AttentionMetadata
+from specserve.model.weights import PackedModules, load_into
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the KV cache allocator needs to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only LM over flat token batches ([num_tokens]) with paged attention."""
+
+    packed_modules: PackedModules = {}
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] -> logits [R, vocab] (only the rows that get sampled)."""
+
+    @abstractmethod
+    def kv_geometry(self) -> KVGeometry: ...
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def tie_weights_after_materialise(self) -> None:
+        """Re-share input and output embeddings (to_empty() allocates them separately)."""
+        self.lm_head.weight = self.get_input_embeddings().weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_into(self, weights, self.packed_modules)

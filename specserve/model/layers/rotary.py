@@ -1,0 +1,90 @@
+"""Rotary position embeddings (HF "rotate half" layout), with Llama 3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's wavelength-dependent rescaling of the rotary frequencies."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _linear_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    return inv_freq / scaling["factor"]
+
+
+_INV_FREQ_SCALERS = {"llama3": _llama3_inv_freq, "linear": _linear_inv_freq}
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling) from either transformers 5's ``rope_parameters`` or 4.x's
+    ``rope_theta`` + ``rope_scaling``."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        return float(params["rope_theta"]), (None if rope_type == "default" else dict(params))
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu") / self.rotary_dim)
+        )
+        rope_type = None
+        if rope_scaling:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if rope_type not in (None, "default"):
+            if rope_type not in _INV_FREQ_SCALERS:
+                raise ValueError(
+                    f"rope_scaling type {rope_type!r} is not supported; supported: "
+                    f"{sorted(_INV_FREQ_SCALERS)} (or none)."
+                )
+            inv_freq = _INV_FREQ_SCALERS[rope_type](inv_freq, rope_scaling)
+        positions = torch.arange(max_position, dtype=torch.float64, device="cpu")
+        freqs = torch.outer(positions, inv_freq).float()  # [max_pos, rot/2]
+        # Plain attributes, not buffers: models are built on the meta device and materialised
+        # with to_empty(), which would leave buffers uninitialised. Moved on first use.
+        self.cos = freqs.cos()  # [max_pos, rot/2] float32
+        self.sin = freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H*D]; k: [T, KvH*D] -> rotated q, k (same shapes)."""
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return (self._rotate(q, cos, sin, num_heads), self._rotate(k, cos, sin, num_kv_heads))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                num_heads: int) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, num_heads, -1)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if rest.shape[-1]:
+            rotated = torch.cat((rotated, rest), dim=-1)
+        return rotated.reshape(t, -1)

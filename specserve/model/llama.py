@@ -1,0 +1,118 @@
+"""Llama family (Llama 2/3/3.1, SmolLM2, Mistral-style GQA) reading Hugging Face weight names.
+
+Qwen2 is the same network with biases on q/k/v, so it lives here as a subclass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from specserve.model.base import CausalLM, KVGeometry
+from specserve.model.layers.attention import Attention, AttentionMetadata
+from specserve.model.layers.norm import RMSNorm
+from specserve.model.layers.rotary import RotaryEmbedding, rope_settings
+from specserve.model.weights import fused_linear
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.qkv_proj = fused_linear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size,
+                                bias=getattr(config, "attention_bias", False) and not qkv_bias)
+        base, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, base,
+                                          scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q + 2*kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k, self.num_heads, self.num_kv_heads)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = fused_linear(config.hidden_size, [inter, inter], bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.intermediate_size = inter
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported for Llama models (only 'silu').")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttentionBlock(config, qkv_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                      "gate_up_proj": ["gate_proj", "up_proj"]}
+    qkv_bias = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, self.qkv_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_geometry(self) -> KVGeometry:
+        block = self.model.layers[0].self_attn
+        return KVGeometry(len(self.model.layers), block.num_kv_heads, block.head_dim)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

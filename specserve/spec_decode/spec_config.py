@@ -1,0 +1,130 @@
+"""SpeculativeConfig: vLLM v0's flat speculative arguments and v1's ``speculative_config`` dict,
+validated into one frozen object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+NGRAM_MODEL_NAME = "[ngram]"
+SUFFIX_MODEL_NAME = "[suffix]"
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+METHODS = ("draft_model", "ngram", "suffix", "mlp_speculator", "medusa", "eagle")
+# v1 dict keys -> our field names
+_V1_ALIASES = {"model": "model", "num_speculative_tokens": "num_speculative_tokens",
+               "method": "method", "prompt_lookup_max": "ngram_prompt_lookup_max",
+               "prompt_lookup_min": "ngram_prompt_lookup_min",
+               "draft_tensor_parallel_size": "draft_tensor_parallel_size",
+               "max_model_len": "max_model_len",
+               "disable_by_batch_size": "disable_by_batch_size",
+               "acceptance_method": "acceptance_method"}
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    draft_tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    disable_by_batch_size: int | None = None
+    acceptance_method: str = "rejection_sampler"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    disable_logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            _fail(f"num_speculative_tokens={k!r} must be an int >= 1.")
+        if self.method not in METHODS:
+            _fail(f"speculative method {self.method!r} is not one of {list(METHODS)}.")
+        if self.method == "ngram":
+            hi, lo = self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min
+            if not isinstance(hi, int) or hi < 1:
+                _fail(f"ngram_prompt_lookup_max={hi!r} must be an int >= 1 for '[ngram]'.")
+            if lo is not None and (not isinstance(lo, int) or not 1 <= lo <= hi):
+                _fail(f"ngram_prompt_lookup_min={lo!r} must be an int in [1, "
+                      f"ngram_prompt_lookup_max={hi}].")
+        if self.method == "draft_model" and not self.model:
+            _fail("a draft model path is required for method 'draft_model'.")
+        if self.draft_tensor_parallel_size != 1:
+            _fail(f"speculative_draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: "
+                  "only 1 is supported until tensor parallelism lands.")
+        for name in ("max_model_len", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                _fail(f"speculative {name}={value!r} must be a positive int or None.")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            _fail(f"spec_decoding_acceptance_method={self.acceptance_method!r} must be one of "
+                  f"{list(ACCEPTANCE_METHODS)}.")
+        if not 0.0 <= self.posterior_threshold <= 1.0:
+            _fail(f"typical_acceptance_sampler_posterior_threshold={self.posterior_threshold!r}"
+                  " must be in [0, 1].")
+        if not 0.0 <= self.posterior_alpha <= 1.0:
+            _fail(f"typical_acceptance_sampler_posterior_alpha={self.posterior_alpha!r} must be "
+                  "in [0, 1].")
+
+    @classmethod
+    def from_args(
+        cls,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        ngram_prompt_lookup_max: int | None = None,
+        ngram_prompt_lookup_min: int | None = None,
+        speculative_draft_tensor_parallel_size: int | None = None,
+        speculative_max_model_len: int | None = None,
+        speculative_disable_by_batch_size: int | None = None,
+        spec_decoding_acceptance_method: str = "rejection_sampler",
+        typical_acceptance_sampler_posterior_threshold: float | None = None,
+        typical_acceptance_sampler_posterior_alpha: float | None = None,
+        disable_logprobs_during_spec_decoding: bool | None = None,
+    ) -> SpeculativeConfig | None:
+        """None when no speculation was asked for; otherwise a validated config."""
+        values: dict[str, Any] = {
+            "model": speculative_model,
+            "num_speculative_tokens": num_speculative_tokens,
+            "ngram_prompt_lookup_max": ngram_prompt_lookup_max,
+            "ngram_prompt_lookup_min": ngram_prompt_lookup_min,
+            "draft_tensor_parallel_size": speculative_draft_tensor_parallel_size or 1,
+            "max_model_len": speculative_max_model_len,
+            "disable_by_batch_size": speculative_disable_by_batch_size,
+            "acceptance_method": spec_decoding_acceptance_method,
+        }
+        if speculative_config is not None:
+            if not isinstance(speculative_config, dict):
+                _fail(f"speculative_config must be a dict, got {type(speculative_config)}.")
+            unknown = set(speculative_config) - set(_V1_ALIASES)
+            if unknown:
+                _fail(f"speculative_config has unknown keys {sorted(unknown)}; known keys: "
+                      f"{sorted(_V1_ALIASES)}.")
+            for key, value in speculative_config.items():
+                values[_V1_ALIASES[key]] = value
+        method = values.pop("method", None)
+        if values["model"] is None and method is None:
+            if num_speculative_tokens is not None or ngram_prompt_lookup_max is not None:
+                _fail("num_speculative_tokens / ngram_prompt_lookup_max were given without "
+                      "speculative_model; set speculative_model (a draft path or '[ngram]').")
+            return None
+        if method is None:
+            method = {NGRAM_MODEL_NAME: "ngram", SUFFIX_MODEL_NAME: "suffix"}.get(
+                values["model"], "draft_model")
+        if values["num_speculative_tokens"] is None:
+            _fail("num_speculative_tokens is required when speculative decoding is enabled.")
+        if typical_acceptance_sampler_posterior_threshold is not None:
+            values["posterior_threshold"] = typical_acceptance_sampler_posterior_threshold
+        if typical_acceptance_sampler_posterior_alpha is not None:
+            values["posterior_alpha"] = typical_acceptance_sampler_posterior_alpha
+        if disable_logprobs_during_spec_decoding is not None:
+            values["disable_logprobs"] = disable_logprobs_during_spec_decoding
+        if method == "ngram" and values["ngram_prompt_lookup_min"] is None:
+            values["ngram_prompt_lookup_min"] = 1
+        known = {f.name for f in fields(cls)}
+        return cls(method=method, **{k: v for k, v in values.items() if k in known})

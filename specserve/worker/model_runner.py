@@ -1,0 +1,118 @@
+"""Loads a model, owns its KV cache, turns scheduled sequences into one forward pass.
+
+The runner knows nothing about sampling or requests: it gets, per sequence, the token run to
+compute and which offsets of that run need logits, and returns those logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import CacheConfig
+from specserve.model.base import CausalLM
+from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
+from specserve.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    num_blocks_for_budget,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceRun:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # the tokens to compute, starting at absolute position `start`
+    start: int
+    block_table: list[int]
+    logit_offsets: list[int]  # offsets into token_ids whose next-token logits are wanted
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype,
+                 block_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = get_attention_backend(device)
+        self.num_blocks = 0
+
+    # ---- KV cache --------------------------------------------------------------------------
+    def init_kv_cache(self, cache: CacheConfig, max_useful_tokens: int,
+                      num_blocks: int | None = None) -> int:
+        geom = self.model.kv_geometry()
+        per_block = bytes_per_block(geom, self.block_size, self.dtype)
+        if num_blocks is None:
+            max_useful = (max_useful_tokens + self.block_size - 1) // self.block_size
+            num_blocks = num_blocks_for_budget(cache, per_block, self.device, max_useful)
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache; lower the model size, raise "
+                             "gpu_memory_utilization or kv_cache_memory_bytes.")
+        t0 = time.perf_counter()
+        caches = allocate_kv_cache(geom, num_blocks, self.block_size, self.dtype, self.device)
+        for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
+            layer.bind(k, v, self.backend)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in %.2fs", num_blocks,
+                    self.block_size, num_blocks * per_block / 2**20, time.perf_counter() - t0)
+        return num_blocks
+
+    # ---- one forward -------------------------------------------------------------------------
+    def _prepare(self, runs: list[SequenceRun]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        for run in runs:
+            n = len(run.token_ids)
+            base = len(input_ids)
+            input_ids.extend(run.token_ids)
+            pos = range(run.start, run.start + n)
+            positions.extend(pos)
+            table = run.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_lens.append(n)
+            seq_lens.append(run.start + n)
+            logit_rows.extend(base + o for o in run.logit_offsets)
+        max_blocks = max(len(r.block_table) for r in runs)
+        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in runs]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+
+        def tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(starts, torch.int32),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return (tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+                tensor(logit_rows, torch.int64))
+
+    @torch.inference_mode()
+    def execute(self, runs: list[SequenceRun]) -> torch.Tensor:
+        """Run the model over all runs; return float32 logits [num_logit_rows, vocab] in the
+        order of runs and their logit_offsets."""
+        input_ids, positions, meta, logit_rows = self._prepare(runs)
+        self.backend.prepare(meta)
+        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[logit_rows]).float()  # [R, vocab]
