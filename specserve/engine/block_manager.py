@@ -102,8 +102,13 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = seq.num_cached_prefix_tokens = len(hits) * self.block_size
 
-    def num_cached_prefix_blocks(self, seq: Sequence) -> int:
-        return len(self._cached_prefix_blocks(seq))
+    def can_admit(self, seq: Sequence, num_total_tokens: int) -> bool:
+        """Whether a waiting sequence fits: cached prefix blocks that sit in the free pool are
+        taken out of it on admission, so they count against the free blocks too."""
+        hits = self._cached_prefix_blocks(seq)
+        idle_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(num_total_tokens) - len(hits)
+        return needed <= self.num_free_blocks - idle_hits
 
     def can_grow(self, seq: Sequence, num_total_tokens: int) -> bool:
         return self.blocks_needed(num_total_tokens) - len(seq.block_table) <= self.num_free_blocks

@@ -76,6 +76,12 @@ class LLMEngine:
         num_blocks = self.runner.init_kv_cache(
             args.cache, max_useful_tokens=sched.max_num_seqs * self.max_model_len + block_size
         )
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: one full-length sequence would not fit. Lower "
+                "max_model_len or give the cache more memory (kv_cache_memory_bytes, "
+                "gpu_memory_utilization, num_gpu_blocks_override).")
         self.block_manager = BlockManager(num_blocks, block_size,
                                           args.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens)
@@ -121,6 +127,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}.")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        params.verify_vocab(self.vocab_size)
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         self._check_prompt(token_ids)
         now = arrival_time if arrival_time is not None else time.time()
@@ -181,6 +188,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            # Cannot happen while capacity >= max_model_len (checked at start-up); fail loudly
+            # rather than spin if that invariant is ever broken.
+            assert not self.scheduler.waiting or self.scheduler.running, "scheduler stalled"
             return []
         now = time.time()
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled)
@@ -239,7 +249,7 @@ class LLMEngine:
         tensors = SamplingTensors.from_rows(
             [seq.params for seq in seqs], [seq.output_token_ids for seq in seqs],
             [seq.prompt_token_ids for seq in seqs], self.vocab_size, raw_logits.device,
-            raw_logits.dtype, blocked_token_ids=blocked,
+            torch.float32, blocked_token_ids=blocked,
         )
         final = process_logits(raw_logits, tensors)  # [R, vocab]
         tokens = sample(final, tensors, [seq.generator for seq in seqs], self.generator)

@@ -88,10 +88,9 @@ class Scheduler:
             return out  # memory is tight: let the running set drain before admitting more
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.num_cached_prefix_blocks(seq) * bm.block_size
             # Admit only when the whole known sequence fits, so admission never forces an
             # immediate preemption; prompt chunks then draw on blocks that are really free.
-            if bm.blocks_needed(seq.num_tokens + 1) - cached // bm.block_size > bm.num_free_blocks:
+            if not bm.can_admit(seq, seq.num_tokens + 1):
                 break
             self.waiting.popleft()
             bm.allocate_prefix(seq)

@@ -1,0 +1,37 @@
+"""Shared test helpers: reference generation with transformers, engine construction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from specserve import LLM
+
+
+def hf_model(path: Path, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int,
+              stop_at_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt (the oracle)."""
+    eos = model.generation_config.eos_token_id
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None  # generate() would fall back to it
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=eos if stop_at_eos else None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=cfg,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def tokenizer(path: Path):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tiny_llm(path: Path, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cpu")
+    return LLM(model=str(path), **kwargs)

