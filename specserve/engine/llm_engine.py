@@ -60,7 +60,7 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
-        self.dtype = resolve_dtype(args.dtype, getattr(self.hf_config, "torch_dtype", None),
+        self.dtype = resolve_dtype(args.dtype, getattr(self.hf_config, "dtype", None),
                                    self.device)
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
         model = build_model(self.hf_config, iter_weights(self.source), self.dtype, self.device)
