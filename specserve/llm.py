@@ -96,13 +96,12 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             speculative=speculative,
         )
-        if speculative is not None:
-            raise NotImplementedError(
-                f"speculative decoding (method {speculative.method!r}) is validated but not "
-                "implemented yet in this build; drop the speculative arguments for now."
-            )
         self.llm_engine = LLMEngine(args)
         self._request_counter = itertools.count()
+
+    def get_metrics(self) -> dict[str, object]:
+        """Engine and speculative-decoding counters (acceptance rate, efficiency, ...)."""
+        return self.llm_engine.get_metrics()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -173,6 +172,9 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):  # a dict or str would be iterated
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}; use SamplingParams(...).")
         params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one or "

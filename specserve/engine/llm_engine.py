@@ -20,17 +20,16 @@ from specserve.engine.detokenizer import Detokenizer, DetokenizerState
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.scheduler import ScheduledSequence, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus
-from specserve.model.loader import (
-    iter_weights,
-    load_hf_config,
-    load_tokenizer,
-    resolve_model,
-)
-from specserve.model.registry import build_model
+from specserve.model.loader import load_hf_config, load_tokenizer, resolve_model
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from specserve.sample.logits_processing import SamplingTensors, process_logits
-from specserve.sample.sampler import compute_logprobs, sample
+from specserve.sample.sampler import compute_logprobs
 from specserve.sampling_params import SamplingParams, SamplingType
+from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
+from specserve.spec_decode.metrics import SpecDecodeMetrics
+from specserve.spec_decode.proposer import Proposer
+from specserve.spec_decode.verifier import Verifier
+from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 logger = logging.getLogger(__name__)
@@ -63,32 +62,46 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, getattr(self.hf_config, "dtype", None),
                                    self.device)
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
-        model = build_model(self.hf_config, iter_weights(self.source), self.dtype, self.device)
-        self.vocab_size = model.vocab_size
+        target = load_model(args.model, self.dtype, self.device, self.source, self.hf_config)
+        self.vocab_size = target.model.vocab_size
         self.max_model_len = self._derive_max_model_len(args.max_model_len)
         block_size = args.cache.block_size
-        self.runner = ModelRunner(model, self.device, self.dtype, block_size)
+        self.runner = ModelRunner(target.model, self.device, self.dtype, block_size)
+        self.generator = torch.Generator(self.device).manual_seed(args.seed)
+        spec = args.speculative
+        self.spec_config = spec
+        draft_runner, self.spec_max_model_len = None, self.max_model_len
+        if spec is not None:
+            check_implemented(spec)
+            draft_runner, self.spec_max_model_len = load_draft_runner(
+                spec, target, self.dtype, self.device, block_size, self.max_model_len)
+        num_blocks = self._size_kv_cache(draft_runner)
         sched = args.scheduler
         max_tokens = sched.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          sched.max_num_seqs)
         if not sched.enable_chunked_prefill:
             max_tokens = max(max_tokens, self.max_model_len)
-        num_blocks = self.runner.init_kv_cache(
-            args.cache, max_useful_tokens=sched.max_num_seqs * self.max_model_len + block_size
-        )
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len="
-                f"{self.max_model_len}: one full-length sequence would not fit. Lower "
-                "max_model_len or give the cache more memory (kv_cache_memory_bytes, "
-                "gpu_memory_utilization, num_gpu_blocks_override).")
         self.block_manager = BlockManager(num_blocks, block_size,
                                           args.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
+                                   num_lookahead_slots=k)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.detokenizer,
                                                 self._eos_token_ids(), self.max_model_len)
-        self.generator = torch.Generator(self.device).manual_seed(args.seed)
+        blocked = self.output_processor.blocked_token_ids
+        self.proposer: Proposer | None = None
+        self.spec_metrics: SpecDecodeMetrics | None = None
+        if spec is not None:
+            self.proposer = create_proposer(spec, draft_runner, num_blocks, block_size,
+                                            args.cache.enable_prefix_caching, self.vocab_size,
+                                            self.generator, blocked)
+            self.spec_metrics = SpecDecodeMetrics(k)
+        self.verifier = Verifier(
+            self.vocab_size, self.generator, blocked,
+            acceptance_method=spec.acceptance_method if spec else "rejection_sampler",
+            posterior_threshold=spec.posterior_threshold if spec else 0.09,
+            posterior_alpha=spec.posterior_alpha if spec else 0.3)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
@@ -96,6 +109,24 @@ class LLMEngine:
                     self.max_model_len)
 
     # ---- set-up helpers --------------------------------------------------------------------
+    def _size_kv_cache(self, draft_runner: ModelRunner | None) -> int:
+        """Target and draft get the same number of blocks, paid from one memory budget."""
+        cache, block_size = self.args.cache, self.args.cache.block_size
+        runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
+        per_block = sum(bytes_per_block(r.model.kv_geometry(), block_size, self.dtype)
+                        for r in runners)
+        max_useful = (self.args.scheduler.max_num_seqs * self.max_model_len) // block_size + 1
+        num_blocks = num_blocks_for_budget(cache, per_block, self.device, max_useful)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: one full-length sequence would not fit. Lower "
+                "max_model_len or give the cache more memory (kv_cache_memory_bytes, "
+                "gpu_memory_utilization, num_gpu_blocks_override).")
+        for runner in runners:
+            runner.init_kv_cache(cache, 0, num_blocks=num_blocks)
+        return num_blocks
+
     def _derive_max_model_len(self, requested: int | None) -> int:
         cfg = self.hf_config
         limit = getattr(cfg, "max_position_embeddings", None) or getattr(
@@ -179,24 +210,49 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
+            self._free_proposer_state(seq)
             self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def get_metrics(self) -> dict[str, object]:
+        """Engine counters for dashboards (the server exposes these on /metrics)."""
+        bm = self.block_manager
+        metrics: dict[str, object] = {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queried_blocks": bm.stats.queried_blocks,
+            "prefix_cache_hit_blocks": bm.stats.hit_blocks,
+        }
+        if self.spec_metrics is not None:
+            metrics["spec_decode"] = self.spec_metrics.total.as_dict()
+            metrics["spec_decode"]["num_speculative_tokens"] = self.spec_metrics.k
+        return metrics
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self._free_proposer_state(seq)
         if sched.is_empty:
             # Cannot happen while capacity >= max_model_len (checked at start-up); fail loudly
             # rather than spin if that invariant is ever broken.
             assert not self.scheduler.waiting or self.scheduler.running, "scheduler stalled"
             return []
         now = time.time()
-        runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled)
-        logits = self.runner.execute(runs)  # [R, vocab]
         sampled = [s for s in sched.scheduled if s.samples]
-        tokens, logprobs = self._sample(sampled, logits[sample_rows])
+        proposals, draft_probs = self._propose(sched.scheduled, sampled)
+        runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
+        logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
+        sample_logits = logits[sample_rows]  # [sum(k_i + 1), vocab]
+        verified = self.verifier.verify([s.seq for s in sampled], proposals, draft_probs,
+                                        sample_logits)
+        logprobs = None
+        if any(s.seq.params.logprobs is not None for s in sampled):
+            logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             req = self.requests[s.seq.request_id]
@@ -208,55 +264,108 @@ class LLMEngine:
             if rows is not None:
                 self.output_processor.add_prompt_logprobs(s.seq, s, logits[rows])
             touched[req.request_id] = req
+        row = 0
         for i, s in enumerate(sampled):
             req = touched[s.seq.request_id]
-            token_logprobs = None if logprobs is None else logprobs[i]
-            self.output_processor.commit_token(s.seq, req.detok[s.seq.seq_id],
-                                               int(tokens[i]), token_logprobs)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = time.time()
+            self._commit(req, s.seq, proposals[i], verified.emitted[i],
+                         verified.num_accepted[i], None if logprobs is None else logprobs[row:])
+            row += len(proposals[i]) + 1
         for s in sched.scheduled:
             if s.seq.is_finished:
+                self._free_proposer_state(s.seq)
                 self.scheduler.finish(s.seq)
             else:
+                self.block_manager.rollback(s.seq, s.seq.num_tokens)  # unused lookahead slots
                 self.block_manager.register_computed_blocks(s.seq)
+        if self.spec_metrics is not None:
+            self.spec_metrics.maybe_log()
         return [self._make_output(req) for req in touched.values()]
 
-    def _build_runs(self, scheduled: list[ScheduledSequence]):
+    def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
+                num_accepted: int, logprobs: torch.Tensor | None) -> None:
+        """Commit the verified tokens one by one; a stop inside the run truncates there."""
+        num_tokens_before = seq.num_tokens
+        num_committed = 0
+        for j, token in enumerate(emitted):
+            self.output_processor.commit_token(seq, req.detok[seq.seq_id], token,
+                                               None if logprobs is None else logprobs[j])
+            num_committed += 1
+            if seq.is_finished:
+                break
+        # The verify pass wrote K/V for [last token] + proposals; the accepted ones are valid.
+        seq.num_computed_tokens = seq.num_tokens - 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.time()
+        if self.proposer is not None and seq.num_output_tokens > 0:
+            self.proposer.on_verified(seq, num_tokens_before, len(proposals), num_accepted)
+            self.spec_metrics.record(len(proposals), num_accepted, num_committed)
+            req.metrics.num_spec_steps += 1 if proposals else 0
+            req.metrics.num_draft_tokens += len(proposals)
+            req.metrics.num_accepted_tokens += min(num_accepted, num_committed)
+            req.metrics.num_emitted_tokens += num_committed
+
+    def _free_proposer_state(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.free(seq)
+
+    # ---- speculation -----------------------------------------------------------------------
+    def _num_to_propose(self, s: ScheduledSequence, batch_size: int) -> int:
+        """How many proposals a decoding sequence may verify this step (0: plain decode)."""
+        seq, spec = s.seq, self.spec_config
+        k = s.num_lookahead
+        if spec.disable_by_batch_size is not None and batch_size >= spec.disable_by_batch_size:
+            return 0
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        k = min(k, self.max_model_len - seq.num_tokens - 1)
+        if k > 0 and seq.num_tokens + k > self.spec_max_model_len:
+            self.spec_metrics.total.num_past_spec_max_len += 1
+            return 0
+        return max(k, 0)
+
+    def _propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence]):
+        proposals: list[list[int]] = [[] for _ in sampled]
+        if self.proposer is None:
+            return proposals, None
+        decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
+        if not decoding:
+            return proposals, None
+        ks = [self._num_to_propose(s, len(scheduled)) for _, s in decoding]
+        if not any(ks):
+            return proposals, None
+        out = self.proposer.propose([s.seq for _, s in decoding], ks)
+        draft_probs = None
+        if out.probs is not None:
+            k_max = out.probs.shape[1]
+            draft_probs = out.probs.new_zeros(len(sampled), k_max, out.probs.shape[2])
+            index = torch.tensor([i for i, _ in decoding], device=out.probs.device)
+            draft_probs[index] = out.probs
+        for (i, _), tokens in zip(decoding, out.token_ids, strict=True):
+            proposals[i] = tokens
+        return proposals, draft_probs
+
+    def _build_runs(self, scheduled: list[ScheduledSequence], proposals: list[list[int]]):
+        """One run per sequence; sampled sequences get logits for [last] + proposals."""
         runs: list[SequenceRun] = []
         sample_rows: list[int] = []
         prompt_rows: dict[int, list[int]] = {}
         row = 0
+        sampled_index = 0
         for s in scheduled:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            tokens = seq.token_ids[start : start + n]
             offsets = self.output_processor.prompt_logprob_offsets(seq, start, n)
             if offsets:
                 prompt_rows[seq.seq_id] = list(range(row, row + len(offsets)))
-            if s.samples and (not offsets or offsets[-1] != n - 1):
-                offsets = offsets + [n - 1]
             if s.samples:
-                sample_rows.append(row + len(offsets) - 1)
+                props = proposals[sampled_index]
+                sampled_index += 1
+                sample_rows.extend(range(row + len(offsets), row + len(offsets) + len(props) + 1))
+                tokens = tokens + props
+                offsets = offsets + list(range(n - 1, n + len(props)))
             row += len(offsets)
-            runs.append(SequenceRun(seq.token_ids[start : start + n], start, seq.block_table,
-                                    offsets))
+            runs.append(SequenceRun(tokens, start, seq.block_table, offsets))
         return runs, sample_rows, prompt_rows
-
-    def _sample(self, sampled: list[ScheduledSequence], raw_logits: torch.Tensor):
-        if not sampled:
-            return [], None
-        seqs = [s.seq for s in sampled]
-        blocked = [self.output_processor.blocked_token_ids(seq) for seq in seqs]
-        tensors = SamplingTensors.from_rows(
-            [seq.params for seq in seqs], [seq.output_token_ids for seq in seqs],
-            [seq.prompt_token_ids for seq in seqs], self.vocab_size, raw_logits.device,
-            torch.float32, blocked_token_ids=blocked,
-        )
-        final = process_logits(raw_logits, tensors)  # [R, vocab]
-        tokens = sample(final, tensors, [seq.generator for seq in seqs], self.generator)
-        logprobs = None
-        if any(seq.params.logprobs is not None for seq in seqs):
-            logprobs = compute_logprobs(raw_logits)  # [R, vocab]
-        return tokens.tolist(), logprobs
 
     def _make_output(self, req: Request) -> RequestOutput:
         outputs = []

@@ -30,10 +30,13 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     # ---- sampling constraints ------------------------------------------------------------
-    def blocked_token_ids(self, seq: Sequence) -> list[int]:
-        """EOS and stop ids are forbidden until min_tokens tokens exist (vLLM semantics)."""
+    def blocked_token_ids(self, seq: Sequence, num_ahead: int = 0) -> list[int]:
+        """EOS and stop ids are forbidden until min_tokens tokens exist (vLLM semantics).
+
+        num_ahead counts tokens in front of the scored position that are not committed yet
+        (speculative proposals)."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.num_output_tokens + num_ahead >= p.min_tokens:
             return []
         blocked = list(p.stop_token_ids)
         if not p.ignore_eos:

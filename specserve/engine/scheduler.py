@@ -19,6 +19,7 @@ from specserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens
+    num_lookahead: int = 0  # extra slots reserved for speculative proposals (decodes only)
 
     @property
     def samples(self) -> bool:
@@ -42,8 +43,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
+        # Speculation verifies k proposals per decoding sequence: each decode reserves k extra
+        # KV slots and k extra tokens of budget ("lookahead"); unused ones are rolled back.
+        self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -74,15 +78,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            target = seq.num_computed_tokens + num_new
+            lookahead = 0
+            if num_new == seq.num_tokens - seq.num_computed_tokens == 1:
+                lookahead = min(self.num_lookahead_slots, budget - 1)
+            target = seq.num_computed_tokens + num_new + lookahead
             while not bm.can_grow(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop(), out)
             if not bm.can_grow(seq, target):
                 self._preempt(self.running.pop(), out)  # seq itself: nothing left to take from
                 break
             bm.grow(seq, target)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            out.scheduled.append(ScheduledSequence(seq, num_new, lookahead))
+            budget -= num_new + lookahead
             i += 1
         if out.preempted:
             return out  # memory is tight: let the running set drain before admitting more

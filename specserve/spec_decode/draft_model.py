@@ -1,0 +1,133 @@
+"""Draft-model speculation: a smaller model with the same vocabulary proposes k tokens.
+
+The draft has its own paged KV cache (same block size and block count as the target, allocated
+from the same memory budget) and keeps, per target sequence, a shadow sequence that shares the
+target's token list but has its own block table and computed-token count. Each step:
+
+1. one draft forward per sequence feeds every token the draft has not seen yet (the whole prompt
+   for a new sequence; after a step the last accepted proposal and the bonus/recovered token),
+   and samples proposal 1 from the draft's processed distribution;
+2. k - 1 more single-token forwards, batched across sequences, sample proposals 2..k.
+
+After verification the shadow is rolled back to the accepted length; when all k were accepted
+the catch-up in the next step's first forward covers the bonus token, so no extra pass is run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.sequence import Sequence
+from specserve.sample.logits_processing import SamplingTensors, process_logits
+from specserve.sample.sampler import probs_from_final_logits, sample
+from specserve.spec_decode.proposer import DraftProposals, Proposer
+from specserve.worker.model_runner import ModelRunner, SequenceRun
+
+
+class DraftModelProposer(Proposer):
+    has_probs = True
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, vocab_size: int,
+                 default_generator: torch.Generator,
+                 blocked_token_ids) -> None:
+        self.runner = runner
+        self.block_manager = block_manager
+        self.vocab_size = vocab_size
+        self.default_generator = default_generator
+        self.blocked_token_ids = blocked_token_ids  # (seq, num_extra_outputs) -> list[int]
+        self.shadows: dict[int, Sequence] = {}
+
+    # ---- shadow sequences ------------------------------------------------------------------
+    def _shadow(self, seq: Sequence) -> Sequence:
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            # Shares the target's token list (same object): the draft always sees commits.
+            shadow = dataclasses.replace(seq, token_ids=seq.token_ids, block_table=[],
+                                         num_computed_tokens=0, num_hashed_blocks=0,
+                                         generator=None)
+            shadow.token_ids = seq.token_ids
+            self.shadows[seq.seq_id] = shadow
+        return shadow
+
+    def free(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.block_manager.free(shadow)
+
+    def _reserve(self, seq: Sequence, k: int) -> bool:
+        """Blocks for the catch-up tokens and k - 1 fed proposals; False if out of blocks."""
+        shadow = self._shadow(seq)
+        bm = self.block_manager
+        if not shadow.block_table:
+            if not bm.can_admit(shadow, seq.num_tokens + k):
+                return False
+            bm.allocate_prefix(shadow)
+        needed = seq.num_tokens + k - 1
+        if not bm.can_grow(shadow, needed):
+            return False
+        bm.grow(shadow, needed)
+        return True
+
+    # ---- proposing -------------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
+        ks = [k if k > 0 and self._reserve(seq, k) else 0 for seq, k in zip(seqs, max_tokens,
+                                                                             strict=True)]
+        k_max = max(ks, default=0)
+        proposals: list[list[int]] = [[] for _ in seqs]
+        probs = None
+        if k_max == 0:
+            return DraftProposals(proposals, probs)
+        device = self.runner.device
+        probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
+                            device=device)
+        for step in range(k_max):
+            active = [i for i, k in enumerate(ks) if k > step]
+            runs = []
+            for i in active:
+                shadow = self.shadows[seqs[i].seq_id]
+                if step == 0:
+                    start = shadow.num_computed_tokens
+                    tokens = seqs[i].token_ids[start:]
+                else:
+                    start = seqs[i].num_tokens + step - 1
+                    tokens = [proposals[i][-1]]
+                runs.append(SequenceRun(tokens, start, shadow.block_table, [len(tokens) - 1]))
+            logits = self.runner.execute(runs)  # [A, V]
+            step_probs, tokens = self._sample(
+                [seqs[i] for i in active], [proposals[i] for i in active], logits)
+            for row, i in enumerate(active):
+                proposals[i].append(tokens[row])
+                probs[i, step] = step_probs[row]
+                shadow = self.shadows[seqs[i].seq_id]
+                shadow.num_computed_tokens = seqs[i].num_tokens + step
+        return DraftProposals(proposals, probs)
+
+    def _sample(self, seqs: list[Sequence], drafted: list[list[int]], logits: torch.Tensor):
+        """Draw each proposal from the draft's distribution under the request's transforms."""
+        tensors = SamplingTensors.from_rows(
+            [s.params for s in seqs],
+            [s.output_token_ids + d for s, d in zip(seqs, drafted, strict=True)],
+            [s.prompt_token_ids for s in seqs], self.vocab_size, logits.device, torch.float32,
+            blocked_token_ids=[self.blocked_token_ids(s, len(d))
+                               for s, d in zip(seqs, drafted, strict=True)],
+        )
+        final = process_logits(logits, tensors)  # [A, V]
+        tokens = sample(final, tensors, [s.generator for s in seqs], self.default_generator)
+        probs = probs_from_final_logits(final)  # [A, V]
+        # Greedy rows propose argmax: a point mass, which is what their verification assumes.
+        return probs, tokens.tolist()
+
+    def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
+                    num_accepted: int) -> None:
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None or num_proposed == 0:
+            return
+        # Fed to the draft: last committed token + proposals 1..k-1 -> valid KV for the
+        # accepted ones among them.
+        valid = num_tokens_before + min(num_accepted, num_proposed - 1)
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, valid)
+        self.block_manager.rollback(shadow, shadow.num_computed_tokens)
+        self.block_manager.register_computed_blocks(shadow)

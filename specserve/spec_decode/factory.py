@@ -1,0 +1,60 @@
+"""The one place that maps a speculative method to its proposer (and loads a draft model)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.sequence import Sequence
+from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.proposer import Proposer
+from specserve.spec_decode.spec_config import SpeculativeConfig
+from specserve.worker.loading import LoadedModel, load_model
+from specserve.worker.model_runner import ModelRunner
+
+IMPLEMENTED_METHODS = ("draft_model",)
+
+
+def check_implemented(spec: SpeculativeConfig) -> None:
+    if spec.method not in IMPLEMENTED_METHODS:
+        raise NotImplementedError(
+            f"speculative method {spec.method!r} is validated but not implemented yet; "
+            f"implemented: {list(IMPLEMENTED_METHODS)}.")
+
+
+def load_draft_runner(spec: SpeculativeConfig, target: LoadedModel, dtype: torch.dtype,
+                      device: torch.device, block_size: int,
+                      target_max_model_len: int) -> tuple[ModelRunner | None, int]:
+    """Load the draft model if the method needs one; return it with the speculative length
+    limit (past it sequences decode without speculation)."""
+    limit = target_max_model_len
+    runner = None
+    if spec.method == "draft_model":
+        draft = load_model(spec.model, dtype, device)
+        draft_vocab, target_vocab = draft.model.vocab_size, target.model.vocab_size
+        if draft_vocab != target_vocab:
+            raise ValueError(
+                f"the draft model {spec.model!r} has vocab size {draft_vocab} but the target has "
+                f"{target_vocab}: speculative decoding needs the same vocabulary.")
+        limit = min(limit, draft.max_position_embeddings)
+        runner = ModelRunner(draft.model, device, dtype, block_size)
+    if spec.max_model_len is not None:
+        if spec.max_model_len > limit:
+            raise ValueError(
+                f"speculative_max_model_len={spec.max_model_len} exceeds what the draft and "
+                f"target allow ({limit}); use a value <= {limit}.")
+        limit = spec.max_model_len
+    return runner, limit
+
+
+def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, num_blocks: int,
+                    block_size: int, enable_prefix_caching: bool, vocab_size: int,
+                    generator: torch.Generator,
+                    blocked_token_ids: Callable[[Sequence, int], list[int]]) -> Proposer:
+    check_implemented(spec)
+    assert draft_runner is not None
+    return DraftModelProposer(
+        draft_runner, BlockManager(num_blocks, block_size, enable_prefix_caching), vocab_size,
+        generator, blocked_token_ids)

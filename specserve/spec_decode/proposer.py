@@ -1,0 +1,47 @@
+"""The Proposer interface: every speculation method (draft model, n-gram, suffix, heads) is one.
+
+The engine asks for up to ``k`` tokens per sequence, verifies them in one target pass, and then
+tells the proposer how many were accepted so that any state it keeps (a draft model's KV cache,
+an n-gram index) follows the committed sequence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sequence import Sequence
+
+
+@dataclass
+class DraftProposals:
+    token_ids: list[list[int]]  # per sequence, 0..k proposed tokens
+    # [S, K, V] float32 proposal distributions after the request's sampling transforms, or
+    # None when proposals are point masses (q(x) = 1): n-gram lookup, suffix trees.
+    probs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+class Proposer(ABC):
+    """Proposes speculative tokens; keeps any per-sequence state in sync with commits."""
+
+    #: True when the proposals come with distributions q (needed for sampled requests).
+    has_probs: bool = False
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
+        """Up to max_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, is fine)."""
+
+    def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
+                    num_accepted: int) -> None:
+        """Called after seq committed num_accepted of num_proposed proposals (+1 token)."""
+        return None  # stateless proposers need nothing
+
+    def free(self, seq: Sequence) -> None:
+        """The sequence finished, was aborted or was preempted: drop its state."""
+        return None

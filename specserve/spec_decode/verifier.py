@@ -1,0 +1,88 @@
+"""Turn the target's logits over ``[last token] + proposals`` into committed tokens.
+
+The target has already scored every sequence's run in ONE forward pass (the model runner's
+multi-query layout); this module applies each request's sampling transforms per row (a row's
+penalty history includes the proposals in front of it, and min_tokens blocking counts them) and
+runs the rejection sampler. Sequences without proposals get one row and come out as ordinary
+samples, so the engine has a single sampling path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.sample.logits_processing import SamplingTensors, process_logits
+from specserve.sample.sampler import probs_from_final_logits
+from specserve.sampling_params import SamplingType
+from specserve.spec_decode.rejection_sampler import PAD_TOKEN, rejection_sample
+
+
+@dataclass
+class VerifyResult:
+    emitted: list[list[int]]  # per sequence: accepted proposals then one sampled token
+    num_accepted: list[int]
+
+
+class Verifier:
+    def __init__(self, vocab_size: int, default_generator: torch.Generator,
+                 blocked_token_ids: Callable[[Sequence, int], list[int]],
+                 acceptance_method: str = "rejection_sampler",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+        self.vocab_size = vocab_size
+        self.default_generator = default_generator
+        self.blocked_token_ids = blocked_token_ids
+        self.acceptance_method = acceptance_method
+        self.posterior_threshold = posterior_threshold
+        self.posterior_alpha = posterior_alpha
+
+    def verify(self, seqs: list[Sequence], proposals: list[list[int]],
+               draft_probs: torch.Tensor | None, raw_logits: torch.Tensor) -> VerifyResult:
+        """raw_logits: [R, V] float32, len(proposals[i]) + 1 consecutive rows per sequence."""
+        device = raw_logits.device
+        counts = [len(p) for p in proposals]
+        row_params, row_outputs, row_prompts, row_blocked = [], [], [], []
+        for seq, props in zip(seqs, proposals, strict=True):
+            for j in range(len(props) + 1):
+                row_params.append(seq.params)
+                row_outputs.append(seq.output_token_ids + props[:j])
+                row_prompts.append(seq.prompt_token_ids)
+                row_blocked.append(self.blocked_token_ids(seq, j))
+        tensors = SamplingTensors.from_rows(row_params, row_outputs, row_prompts, self.vocab_size,
+                                            device, torch.float32, blocked_token_ids=row_blocked)
+        final = process_logits(raw_logits, tensors)  # [R, V]
+
+        num_seqs, k = len(seqs), max(counts, default=0)
+        # Scatter rows into a padded [S, K+1] layout.
+        seq_index = torch.tensor([i for i, c in enumerate(counts) for _ in range(c + 1)],
+                                 dtype=torch.long)
+        pos_index = torch.tensor([j for c in counts for j in range(c + 1)], dtype=torch.long)
+        seq_index, pos_index = seq_index.to(device), pos_index.to(device)
+        argmax = torch.zeros(num_seqs, k + 1, dtype=torch.long, device=device)
+        argmax[seq_index, pos_index] = final.argmax(dim=-1)
+        draft_ids = torch.full((num_seqs, max(k, 0)), PAD_TOKEN, dtype=torch.long)
+        for i, props in enumerate(proposals):
+            draft_ids[i, : len(props)] = torch.tensor(props, dtype=torch.long)
+        draft_ids = draft_ids.to(device)
+        greedy = torch.tensor([s.params.sampling_type is SamplingType.GREEDY for s in seqs],
+                              device=device)
+        if tensors.all_greedy:
+            target_probs = None
+        else:
+            target_probs = torch.zeros(num_seqs, k + 1, self.vocab_size, device=device)
+            target_probs[seq_index, pos_index] = probs_from_final_logits(final)
+        if draft_probs is not None and draft_probs.shape[1] != k:
+            draft_probs = draft_probs[:, :k]
+        result = rejection_sample(
+            target_probs, argmax, draft_ids, draft_probs, counts, greedy,
+            [s.generator for s in seqs], self.default_generator,
+            acceptance=self.acceptance_method, posterior_threshold=self.posterior_threshold,
+            posterior_alpha=self.posterior_alpha,
+        )
+        tokens = result.output_token_ids.tolist()  # the step's one device->host sync
+        emitted_counts = result.num_emitted.tolist()
+        emitted = [row[:n] for row, n in zip(tokens, emitted_counts, strict=True)]
+        return VerifyResult(emitted, [n - 1 for n in emitted_counts])
