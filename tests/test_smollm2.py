@@ -57,3 +57,48 @@ def test_batch_of_mixed_lengths_equals_alone(smol_llm):
     batch = smol_llm.generate(prompts, params, use_tqdm=False)
     alone = smol_llm.generate(prompts[3], params, use_tqdm=False)[0]
     assert batch[3].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def smol_truncated_draft(tmp_path_factory, smollm2_gguf):
+    """A same-vocabulary draft: SmolLM2's first 6 layers (shared embeddings and head)."""
+    from safetensors.torch import save_file
+
+    from specserve.model.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+
+    source = resolve_model(str(smollm2_gguf))
+    config = load_hf_config(source)
+    num_layers = 6
+    config.num_hidden_layers = num_layers
+    keep = {}
+    for name, tensor in iter_weights(source):
+        if name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= num_layers:
+                continue
+        keep[name] = tensor.float().contiguous()
+    path = tmp_path_factory.mktemp("smol_draft")
+    config.save_pretrained(path)
+    save_file(keep, str(path / "model.safetensors"))
+    load_tokenizer(source).save_pretrained(path)
+    return path
+
+
+def _chat_prompts(llm):
+    return [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:6]]
+
+
+@pytest.mark.parametrize("draft", ["self", "truncated"])
+def test_speculative_greedy_equals_plain(smol_llm, smol_truncated_draft, draft):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    prompts = _chat_prompts(smol_llm)
+    plain = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params, use_tqdm=False)]
+    draft_model = "SmolLM2-135M-Instruct" if draft == "self" else str(smol_truncated_draft)
+    spec_llm = LLM(device="cpu", max_model_len=2048, speculative_model=draft_model,
+                   num_speculative_tokens=4)
+    outs = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = spec_llm.get_metrics()["spec_decode"]
+    if draft == "self":
+        assert stats["draft_acceptance_rate"] == 1.0
+    else:
+        assert 0.0 < stats["draft_acceptance_rate"] < 1.0

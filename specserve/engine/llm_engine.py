@@ -21,6 +21,7 @@ from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.scheduler import ScheduledSequence, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus
 from specserve.model.loader import load_hf_config, load_tokenizer, resolve_model
+from specserve.model.registry import model_class_for
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sample.sampler import compute_logprobs
 from specserve.sampling_params import SamplingParams, SamplingType
@@ -56,9 +57,12 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         self.args = args
+        if args.speculative is not None:
+            check_implemented(args.speculative)  # fail before any weights load
         self.device = resolve_device(args.device)
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
+        model_class_for(self.hf_config)  # unsupported architectures fail before the tokenizer
         self.dtype = resolve_dtype(args.dtype, getattr(self.hf_config, "dtype", None),
                                    self.device)
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
@@ -72,7 +76,6 @@ class LLMEngine:
         self.spec_config = spec
         draft_runner, self.spec_max_model_len = None, self.max_model_len
         if spec is not None:
-            check_implemented(spec)
             draft_runner, self.spec_max_model_len = load_draft_runner(
                 spec, target, self.dtype, self.device, block_size, self.max_model_len)
         num_blocks = self._size_kv_cache(draft_runner)

@@ -1,0 +1,219 @@
+"""Speculative decoding with a draft model: lossless greedy output, stops, logprobs, metrics."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers import tiny_llm
+
+from specserve import LLM, SamplingParams
+
+REF_TOKENS = 37
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama, test_prompts):
+    return _tokens(tiny_llm(tiny_llama).generate(test_prompts, _greedy(REF_TOKENS),
+                                                 use_tqdm=False))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("pair", [("tiny_llama", "tiny_llama_draft"), ("tiny_opt", "tiny_opt_draft")])
+def test_greedy_equals_plain_decoding_with_unrelated_draft(pair, k, request, test_prompts):
+    target, draft = (request.getfixturevalue(name) for name in pair)
+    prompts = test_prompts[:10]
+    plain = _tokens(tiny_llm(target).generate(prompts, _greedy(33), use_tqdm=False))
+    llm = tiny_llm(target, speculative_model=str(draft), num_speculative_tokens=k)
+    assert _tokens(llm.generate(prompts, _greedy(33), use_tqdm=False)) == plain
+    spec = llm.get_metrics()["spec_decode"]
+    assert spec["num_draft_tokens"] > 0
+    assert spec["draft_acceptance_rate"] < 0.5  # an unrelated draft rarely agrees
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_self_draft_accepts_everything(tiny_llama, llama_reference, test_prompts, k):
+    steps = 6
+    max_tokens = 1 + steps * (k + 1)  # the prefill emits 1 token, then full k+1 runs
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=k)
+    outs = llm.generate(test_prompts, _greedy(max_tokens), use_tqdm=False)
+    assert _tokens(outs) == [t[:max_tokens] for t in llama_reference]
+    spec = llm.get_metrics()["spec_decode"]
+    assert spec["draft_acceptance_rate"] == 1.0
+    assert spec["mean_acceptance_length"] == k + 1
+    assert spec["system_efficiency"] == 1.0
+    assert spec["per_position_acceptance_rate"] == [1.0] * k
+    m = outs[0].metrics
+    assert m.num_spec_steps == steps and m.num_accepted_tokens == steps * k
+
+
+def test_self_draft_output_identical_for_long_runs(tiny_llama, llama_reference, test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=4)
+    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
+
+
+def test_mixed_greedy_and_random_batch(tiny_llama, tiny_llama_draft, llama_reference,
+                                       test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
+    params = [_greedy(REF_TOKENS) if i % 2 == 0 else
+              SamplingParams(temperature=0.7 + 0.1 * (i % 3), top_p=0.9, max_tokens=REF_TOKENS,
+                             ignore_eos=True)
+              for i in range(len(test_prompts))]
+    outs = llm.generate(test_prompts, params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert len(out.outputs[0].token_ids) == REF_TOKENS
+        if i % 2 == 0:
+            assert out.outputs[0].token_ids == llama_reference[i]
+
+
+def test_seeded_requests_do_not_depend_on_batch_mates(tiny_llama, tiny_llama_draft,
+                                                      test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
+    seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=24)
+    alone = llm.generate(test_prompts[4], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(test_prompts[4], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mates = [SamplingParams(temperature=0.8, max_tokens=24)] * 6
+    batch = llm.generate(test_prompts[:6] + [test_prompts[4]], mates + [seeded],
+                         use_tqdm=False)
+    assert alone == again == batch[-1].outputs[0].token_ids
+
+
+def test_stops_inside_an_accepted_run(tiny_llama, llama_reference, test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=5)
+    ref = llama_reference[8]
+    plain = tiny_llm(tiny_llama)
+    # stop token id in the middle of a fully accepted run of 6
+    stop_id = ref[9]
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True,
+                            stop_token_ids=[stop_id])
+    spec_out = llm.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0]
+    plain_out = plain.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0]
+    assert spec_out.token_ids == plain_out.token_ids == ref[: ref.index(stop_id) + 1]
+    assert spec_out.text == plain_out.text and spec_out.stop_reason == stop_id
+    # stop string
+    text = plain.generate(test_prompts[8], _greedy(33), use_tqdm=False)[0].outputs[0].text
+    stop = text[12:15]
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True, stop=[stop])
+    spec_out = llm.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0]
+    plain_out = plain.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0]
+    assert spec_out.text == plain_out.text == text[: text.index(stop)]
+    assert spec_out.token_ids == plain_out.token_ids
+    # max_tokens not a multiple of k+1 and min_tokens
+    for params in (_greedy(8), SamplingParams(temperature=0, max_tokens=20, min_tokens=15,
+                                              stop_token_ids=[ref[3]])):
+        assert (llm.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0].token_ids
+                == plain.generate(test_prompts[8], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_logprobs_are_the_targets(tiny_llama, tiny_llama_draft, test_prompts):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    plain = tiny_llm(tiny_llama).generate(test_prompts[:4], params, use_tqdm=False)
+    for draft in (tiny_llama, tiny_llama_draft):
+        llm = tiny_llm(tiny_llama, speculative_model=str(draft), num_speculative_tokens=3,
+                       disable_logprobs_during_spec_decoding=False)
+        spec = llm.generate(test_prompts[:4], params, use_tqdm=False)
+        for a, b in zip(plain, spec, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert ea.keys() == eb.keys()
+                for tok in ea:
+                    assert abs(ea[tok].logprob - eb[tok].logprob) < 1e-4
+                    assert ea[tok].rank == eb[tok].rank
+
+
+def test_preemption_under_speculation(tiny_llama, llama_reference, test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   num_gpu_blocks_override=24, max_model_len=256)
+    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 24
+    assert engine.proposer.block_manager.num_free_blocks == 24
+    assert not engine.proposer.shadows
+
+
+def test_speculative_limits(tiny_llama, tiny_llama_draft, llama_reference, test_prompts):
+    # past speculative_max_model_len sequences decode without speculation (and it is counted)
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   speculative_max_model_len=40)
+    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
+    spec = llm.get_metrics()["spec_decode"]
+    assert spec["num_past_spec_max_len"] > 0 and spec["num_spec_steps"] > 0
+    # speculative_disable_by_batch_size: a batch that large never speculates
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3,
+                   speculative_disable_by_batch_size=4)
+    outs = llm.generate(test_prompts[:8], _greedy(REF_TOKENS), use_tqdm=False)
+    assert _tokens(outs) == llama_reference[:8]
+
+
+def test_vllm_v1_speculative_config_and_typical_acceptance(tiny_llama, llama_reference,
+                                                           test_prompts):
+    llm = tiny_llm(tiny_llama, speculative_config={
+        "method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2})
+    outs = llm.generate(test_prompts[:4], _greedy(REF_TOKENS), use_tqdm=False)
+    assert _tokens(outs) == llama_reference[:4]
+    lossy = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=2,
+                     spec_decoding_acceptance_method="typical_acceptance_sampler")
+    outs = lossy.generate(test_prompts[:4], SamplingParams(temperature=1.0, max_tokens=16,
+                                                           seed=3), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
+
+
+def test_metrics_log_line(tiny_llama, test_prompts, caplog):
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=2)
+    llm.generate(test_prompts[:2], _greedy(9), use_tqdm=False)
+    with caplog.at_level(logging.INFO, logger="specserve.spec_decode"):
+        line = llm.llm_engine.spec_metrics.maybe_log(force=True)
+    assert line.startswith("Speculative metrics: Draft acceptance rate: 1.000")
+    assert "Number of speculative tokens: 2" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": None}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 3, "speculative_draft_tensor_parallel_size": 2},
+     "speculative_draft_tensor_parallel_size"),
+    ({"num_speculative_tokens": 3, "speculative_max_model_len": 100000},
+     "speculative_max_model_len"),
+    ({"num_speculative_tokens": 3, "spec_decoding_acceptance_method": "magic"},
+     "spec_decoding_acceptance_method"),
+])
+def test_bad_speculative_arguments(tiny_llama, tiny_llama_draft, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(tiny_llama), device="cpu", speculative_model=str(tiny_llama_draft),
+            **kwargs)
+
+
+def test_mismatched_vocab_is_rejected(tiny_llama, tmp_path):
+    from checkpoints import build_tiny_checkpoint
+
+    other = build_tiny_checkpoint(tmp_path / "other", "llama", vocab_size=512, num_layers=1)
+    with pytest.raises(ValueError, match="vocab size 512"):
+        LLM(model=str(tiny_llama), device="cpu", speculative_model=str(other),
+            num_speculative_tokens=2)
+
+
+def test_verification_is_one_target_pass(tiny_llama, test_prompts, monkeypatch):
+    """Each engine step runs the target exactly once, whatever the proposal lengths."""
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3)
+    engine = llm.llm_engine
+    calls = []
+    original = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda runs: calls.append(
+        [len(r.token_ids) for r in runs]) or original(runs))
+    steps = 0
+    for i, prompt in enumerate(test_prompts[:4]):
+        engine.add_request(str(i), prompt, _greedy(9))
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert len(calls) == steps
+    assert any(all(n == 4 for n in lens) for lens in calls)  # [last] + 3 proposals, batched
