@@ -9,12 +9,13 @@ import torch
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.sequence import Sequence
 from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
 from specserve.worker.loading import LoadedModel, load_model
 from specserve.worker.model_runner import ModelRunner
 
-IMPLEMENTED_METHODS = ("draft_model",)
+IMPLEMENTED_METHODS = ("draft_model", "ngram")
 
 
 def check_implemented(spec: SpeculativeConfig) -> None:
@@ -54,6 +55,8 @@ def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, n
                     generator: torch.Generator,
                     blocked_token_ids: Callable[[Sequence, int], list[int]]) -> Proposer:
     check_implemented(spec)
+    if spec.method == "ngram":
+        return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min)
     assert draft_runner is not None
     return DraftModelProposer(
         draft_runner, BlockManager(num_blocks, block_size, enable_prefix_caching), vocab_size,
