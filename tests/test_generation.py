@@ -150,3 +150,12 @@ def test_chat_and_token_id_prompts(llama_llm, tiny_llama):
     by_ids = llama_llm.generate({"prompt_token_ids": tok.encode(rendered)}, GREEDY,
                                 use_tqdm=False)[0]
     assert by_ids.outputs[0].token_ids == chat.outputs[0].token_ids
+
+
+def test_chunked_prefill_small_token_budget(tiny_llama, test_prompts):
+    """Prompts longer than the per-step token budget are prefilled in chunks, mixed with
+    decodes of other sequences, with identical results."""
+    reference = tiny_llm(tiny_llama).generate(test_prompts, GREEDY, use_tqdm=False)
+    chunked = tiny_llm(tiny_llama, max_num_batched_tokens=24, max_num_seqs=4)
+    outs = chunked.generate(test_prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]

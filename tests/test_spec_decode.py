@@ -217,3 +217,24 @@ def test_verification_is_one_target_pass(tiny_llama, test_prompts, monkeypatch):
         steps += 1
     assert len(calls) == steps
     assert any(all(n == 4 for n in lens) for lens in calls)  # [last] + 3 proposals, batched
+
+
+def test_verification_mixed_with_prefill_chunks(tiny_llama, tiny_llama_draft, llama_reference,
+                                                test_prompts):
+    """A small token budget forces prompt chunks to share steps with verification runs."""
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3,
+                   max_num_batched_tokens=40, max_num_seqs=6)
+    engine = llm.llm_engine
+    mixed_steps = 0
+    original = engine.runner.execute
+
+    def spy(runs):
+        nonlocal mixed_steps
+        kinds = {len(r.logit_offsets) > 1 and r.start > 0 for r in runs}
+        mixed_steps += any(len(r.token_ids) > 4 for r in runs) and True in kinds
+        return original(runs)
+
+    engine.runner.execute = spy
+    outs = llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)
+    assert _tokens(outs) == llama_reference
+    assert mixed_steps > 0

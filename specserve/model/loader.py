@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.model.gguf_loader import (
-    build_gguf_tokenizer,
-    gguf_config_dict,
-    iter_gguf_weights,
-    read_gguf,
-)
+
+def _gguf():
+    """The GGUF reader, imported only for GGUF models (safetensors users need no gguf package)."""
+    from specserve.model import gguf_loader
+
+    return gguf_loader
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -85,7 +85,8 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig:
     from transformers import AutoConfig
 
     if source.gguf_file is not None:
-        fields = gguf_config_dict(read_gguf(source.gguf_file))
+        gg = _gguf()
+        fields = gg.gguf_config_dict(gg.read_gguf(source.gguf_file))
         return AutoConfig.for_model(**fields)
     return AutoConfig.from_pretrained(str(source.path))
 
@@ -97,7 +98,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     embeddings has no ``lm_head.weight``); the model ties them.
     """
     if source.gguf_file is not None:
-        yield from iter_gguf_weights(source.gguf_file)
+        yield from _gguf().iter_gguf_weights(source.gguf_file)
         return
     files, fmt = hf_weight_files(source.path)
     if not files:
@@ -122,7 +123,7 @@ def load_tokenizer(
     if tokenizer is not None:
         source = _resolve(tokenizer, need_weights=False)
     if source.gguf_file is not None:
-        return build_gguf_tokenizer(source.gguf_file)
+        return _gguf().build_gguf_tokenizer(source.gguf_file)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(source.path), trust_remote_code=trust_remote_code)

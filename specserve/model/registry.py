@@ -40,7 +40,8 @@ def build_model(config: PretrainedConfig, weights, dtype: torch.dtype,
     cls = model_class_for(config)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
+    # Cast on the meta device first (free), so no full-precision copy is ever allocated.
+    model = model.to(dtype).to_empty(device=device)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         # to_empty() breaks parameter sharing; restore the tie before loading.
         model.tie_weights_after_materialise()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -26,6 +27,8 @@ def num_blocks_for_budget(cache: CacheConfig, per_block: int, device: torch.devi
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # loading leaves cached blocks that are not really in use
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * cache.gpu_memory_utilization) - used - activation_bytes
