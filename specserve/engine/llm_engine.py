@@ -25,6 +25,7 @@ from specserve.model.registry import model_class_for
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sample.sampler import compute_logprobs
 from specserve.sampling_params import SamplingParams, SamplingType
+from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
 from specserve.spec_decode.metrics import SpecDecodeMetrics
 from specserve.spec_decode.proposer import Proposer
@@ -94,12 +95,15 @@ class LLMEngine:
                                                 self._eos_token_ids(), self.max_model_len)
         blocked = self.output_processor.blocked_token_ids
         self.proposer: Proposer | None = None
+        self.adaptive: AdaptiveSpeculation | None = None
         self.spec_metrics: SpecDecodeMetrics | None = None
         if spec is not None:
             self.proposer = create_proposer(spec, draft_runner, num_blocks, block_size,
                                             args.cache.enable_prefix_caching, self.vocab_size,
                                             self.generator, blocked)
             self.spec_metrics = SpecDecodeMetrics(k)
+        self.adaptive = (AdaptiveSpeculation(k) if spec is not None
+                         and getattr(spec, "adaptive", True) else None)
         self.verifier = Verifier(
             self.vocab_size, self.generator, blocked,
             acceptance_method=spec.acceptance_method if spec else "rejection_sampler",
@@ -249,10 +253,14 @@ class LLMEngine:
         sampled = [s for s in sched.scheduled if s.samples]
         proposals, draft_probs = self._propose(sched.scheduled, sampled)
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
+        t_forward = time.perf_counter()
         logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
         sample_logits = logits[sample_rows]  # [sum(k_i + 1), vocab]
         verified = self.verifier.verify([s.seq for s in sampled], proposals, draft_probs,
-                                        sample_logits)
+                                        sample_logits)  # reads tokens: the step's one sync
+        if self.adaptive is not None:
+            self.adaptive.costs.observe(sum(len(r.token_ids) for r in runs),
+                                        time.perf_counter() - t_forward)
         logprobs = None
         if any(s.seq.params.logprobs is not None for s in sampled):
             logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
@@ -302,6 +310,8 @@ class LLMEngine:
         if self.proposer is not None and seq.num_output_tokens > 0:
             self.proposer.on_verified(seq, num_tokens_before, len(proposals), num_accepted)
             self.spec_metrics.record(len(proposals), num_accepted, num_committed)
+            if self.adaptive is not None:
+                self.adaptive.record(seq.seq_id, len(proposals), num_accepted)
             req.metrics.num_spec_steps += 1 if proposals else 0
             req.metrics.num_draft_tokens += len(proposals)
             req.metrics.num_accepted_tokens += min(num_accepted, num_committed)
@@ -310,6 +320,8 @@ class LLMEngine:
     def _free_proposer_state(self, seq: Sequence) -> None:
         if self.proposer is not None:
             self.proposer.free(seq)
+        if self.adaptive is not None:
+            self.adaptive.forget(seq.seq_id)
 
     # ---- speculation -----------------------------------------------------------------------
     def _num_to_propose(self, s: ScheduledSequence, batch_size: int) -> int:
@@ -334,9 +346,17 @@ class LLMEngine:
         if not decoding:
             return proposals, None
         ks = [self._num_to_propose(s, len(scheduled)) for _, s in decoding]
+        if self.adaptive is not None and any(ks):
+            other_tokens = sum(s.num_new_tokens for s in scheduled)
+            pinned = [s.seq.params.sampling_type is SamplingType.RANDOM_SEED for _, s in decoding]
+            ks = self.adaptive.plan([s.seq.seq_id for _, s in decoding], ks, other_tokens,
+                                    pinned)
         if not any(ks):
             return proposals, None
+        t0 = time.perf_counter()
         out = self.proposer.propose([s.seq for _, s in decoding], ks)
+        if self.adaptive is not None:
+            self.adaptive.costs.observe_draft(sum(ks), time.perf_counter() - t0)
         draft_probs = None
         if out.probs is not None:
             k_max = out.probs.shape[1]
