@@ -136,8 +136,8 @@ def test_preemption_under_speculation(tiny_llama, llama_reference, test_prompts)
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == 24
-    assert engine.proposer.block_manager.num_free_blocks == 24
-    assert not engine.proposer.shadows
+    assert engine.speculation.proposer.block_manager.num_free_blocks == 24
+    assert not engine.speculation.proposer.shadows
 
 
 def test_speculative_limits(tiny_llama, tiny_llama_draft, llama_reference, test_prompts):
@@ -171,7 +171,7 @@ def test_metrics_log_line(tiny_llama, test_prompts, caplog):
     llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=2)
     llm.generate(test_prompts[:2], _greedy(9), use_tqdm=False)
     with caplog.at_level(logging.INFO, logger="specserve.spec_decode"):
-        line = llm.llm_engine.spec_metrics.maybe_log(force=True)
+        line = llm.llm_engine.speculation.metrics.maybe_log(force=True)
     assert line.startswith("Speculative metrics: Draft acceptance rate: 1.000")
     assert "Number of speculative tokens: 2" in caplog.text
 

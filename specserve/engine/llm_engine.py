@@ -25,10 +25,8 @@ from specserve.model.registry import model_class_for
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sample.sampler import compute_logprobs
 from specserve.sampling_params import SamplingParams, SamplingType
-from specserve.spec_decode.adaptive import AdaptiveSpeculation
+from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
-from specserve.spec_decode.metrics import SpecDecodeMetrics
-from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.verifier import Verifier
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from specserve.worker.loading import load_model
@@ -74,10 +72,9 @@ class LLMEngine:
         self.runner = ModelRunner(target.model, self.device, self.dtype, block_size)
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         spec = args.speculative
-        self.spec_config = spec
-        draft_runner, self.spec_max_model_len = None, self.max_model_len
+        draft_runner, spec_max_model_len = None, self.max_model_len
         if spec is not None:
-            draft_runner, self.spec_max_model_len = load_draft_runner(
+            draft_runner, spec_max_model_len = load_draft_runner(
                 spec, target, self.dtype, self.device, block_size, self.max_model_len)
         num_blocks = self._size_kv_cache(draft_runner)
         sched = args.scheduler
@@ -94,16 +91,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.detokenizer,
                                                 self._eos_token_ids(), self.max_model_len)
         blocked = self.output_processor.blocked_token_ids
-        self.proposer: Proposer | None = None
-        self.adaptive: AdaptiveSpeculation | None = None
-        self.spec_metrics: SpecDecodeMetrics | None = None
+        self.speculation: SpeculationDriver | None = None
         if spec is not None:
-            self.proposer = create_proposer(spec, draft_runner, num_blocks, block_size,
-                                            args.cache.enable_prefix_caching, self.vocab_size,
-                                            self.generator, blocked)
-            self.spec_metrics = SpecDecodeMetrics(k)
-        self.adaptive = (AdaptiveSpeculation(k) if spec is not None
-                         and getattr(spec, "adaptive", True) else None)
+            proposer = create_proposer(spec, draft_runner, num_blocks, block_size,
+                                       args.cache.enable_prefix_caching, self.vocab_size,
+                                       self.generator, blocked)
+            self.speculation = SpeculationDriver(spec, proposer, self.max_model_len,
+                                                 spec_max_model_len)
         self.verifier = Verifier(
             self.vocab_size, self.generator, blocked,
             acceptance_method=spec.acceptance_method if spec else "rejection_sampler",
@@ -234,9 +228,8 @@ class LLMEngine:
             "prefix_cache_queried_blocks": bm.stats.queried_blocks,
             "prefix_cache_hit_blocks": bm.stats.hit_blocks,
         }
-        if self.spec_metrics is not None:
-            metrics["spec_decode"] = self.spec_metrics.total.as_dict()
-            metrics["spec_decode"]["num_speculative_tokens"] = self.spec_metrics.k
+        if self.speculation is not None:
+            metrics["spec_decode"] = self.speculation.stats()
         return metrics
 
     # ---- one step --------------------------------------------------------------------------
@@ -251,16 +244,19 @@ class LLMEngine:
             return []
         now = time.time()
         sampled = [s for s in sched.scheduled if s.samples]
-        proposals, draft_probs = self._propose(sched.scheduled, sampled)
+        proposals: list[list[int]] = [[] for _ in sampled]
+        draft_probs = None
+        if self.speculation is not None:
+            proposals, draft_probs = self.speculation.propose(sched.scheduled, sampled)
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
         t_forward = time.perf_counter()
         logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
         sample_logits = logits[sample_rows]  # [sum(k_i + 1), vocab]
         verified = self.verifier.verify([s.seq for s in sampled], proposals, draft_probs,
                                         sample_logits)  # reads tokens: the step's one sync
-        if self.adaptive is not None:
-            self.adaptive.costs.observe(sum(len(r.token_ids) for r in runs),
-                                        time.perf_counter() - t_forward)
+        if self.speculation is not None:
+            self.speculation.observe_forward(sum(len(r.token_ids) for r in runs),
+                                             time.perf_counter() - t_forward)
         logprobs = None
         if any(s.seq.params.logprobs is not None for s in sampled):
             logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
@@ -288,8 +284,8 @@ class LLMEngine:
             else:
                 self.block_manager.rollback(s.seq, s.seq.num_tokens)  # unused lookahead slots
                 self.block_manager.register_computed_blocks(s.seq)
-        if self.spec_metrics is not None:
-            self.spec_metrics.maybe_log()
+        if self.speculation is not None:
+            self.speculation.metrics.maybe_log()
         return [self._make_output(req) for req in touched.values()]
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
@@ -307,65 +303,13 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens - 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
-        if self.proposer is not None and seq.num_output_tokens > 0:
-            self.proposer.on_verified(seq, num_tokens_before, len(proposals), num_accepted)
-            self.spec_metrics.record(len(proposals), num_accepted, num_committed)
-            if self.adaptive is not None:
-                self.adaptive.record(seq.seq_id, len(proposals), num_accepted)
-            req.metrics.num_spec_steps += 1 if proposals else 0
-            req.metrics.num_draft_tokens += len(proposals)
-            req.metrics.num_accepted_tokens += min(num_accepted, num_committed)
-            req.metrics.num_emitted_tokens += num_committed
+        if self.speculation is not None:
+            self.speculation.on_committed(seq, req.metrics, num_tokens_before, len(proposals),
+                                          num_accepted, num_committed)
 
     def _free_proposer_state(self, seq: Sequence) -> None:
-        if self.proposer is not None:
-            self.proposer.free(seq)
-        if self.adaptive is not None:
-            self.adaptive.forget(seq.seq_id)
-
-    # ---- speculation -----------------------------------------------------------------------
-    def _num_to_propose(self, s: ScheduledSequence, batch_size: int) -> int:
-        """How many proposals a decoding sequence may verify this step (0: plain decode)."""
-        seq, spec = s.seq, self.spec_config
-        k = s.num_lookahead
-        if spec.disable_by_batch_size is not None and batch_size >= spec.disable_by_batch_size:
-            return 0
-        if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        k = min(k, self.max_model_len - seq.num_tokens - 1)
-        if k > 0 and seq.num_tokens + k > self.spec_max_model_len:
-            self.spec_metrics.total.num_past_spec_max_len += 1
-            return 0
-        return max(k, 0)
-
-    def _propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence]):
-        proposals: list[list[int]] = [[] for _ in sampled]
-        if self.proposer is None:
-            return proposals, None
-        decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
-        if not decoding:
-            return proposals, None
-        ks = [self._num_to_propose(s, len(scheduled)) for _, s in decoding]
-        if self.adaptive is not None and any(ks):
-            other_tokens = sum(s.num_new_tokens for s in scheduled)
-            pinned = [s.seq.params.sampling_type is SamplingType.RANDOM_SEED for _, s in decoding]
-            ks = self.adaptive.plan([s.seq.seq_id for _, s in decoding], ks, other_tokens,
-                                    pinned)
-        if not any(ks):
-            return proposals, None
-        t0 = time.perf_counter()
-        out = self.proposer.propose([s.seq for _, s in decoding], ks)
-        if self.adaptive is not None:
-            self.adaptive.costs.observe_draft(sum(ks), time.perf_counter() - t0)
-        draft_probs = None
-        if out.probs is not None:
-            k_max = out.probs.shape[1]
-            draft_probs = out.probs.new_zeros(len(sampled), k_max, out.probs.shape[2])
-            index = torch.tensor([i for i, _ in decoding], device=out.probs.device)
-            draft_probs[index] = out.probs
-        for (i, _), tokens in zip(decoding, out.token_ids, strict=True):
-            proposals[i] = tokens
-        return proposals, draft_probs
+        if self.speculation is not None:
+            self.speculation.free(seq)
 
     def _build_runs(self, scheduled: list[ScheduledSequence], proposals: list[list[int]]):
         """One run per sequence; sampled sequences get logits for [last] + proposals."""
