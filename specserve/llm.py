@@ -52,6 +52,11 @@ class LLM:
         typical_acceptance_sampler_posterior_threshold: float | None = None,
         typical_acceptance_sampler_posterior_alpha: float | None = None,
         disable_logprobs_during_spec_decoding: bool | None = None,
+        speculative_adaptive: bool = True,
+        suffix_decoding_max_tree_depth: int = 24,
+        suffix_decoding_max_cached_requests: int = 10000,
+        suffix_decoding_max_spec_factor: float = 1.0,
+        suffix_decoding_min_token_prob: float = 0.1,
         use_v2_block_manager: bool = True,  # accepted for vLLM compatibility; always paged v2
         **unknown: Any,
     ) -> None:
@@ -71,6 +76,11 @@ class LLM:
                 typical_acceptance_sampler_posterior_threshold),
             typical_acceptance_sampler_posterior_alpha=typical_acceptance_sampler_posterior_alpha,
             disable_logprobs_during_spec_decoding=disable_logprobs_during_spec_decoding,
+            speculative_adaptive=speculative_adaptive,
+            suffix_decoding_max_tree_depth=suffix_decoding_max_tree_depth,
+            suffix_decoding_max_cached_requests=suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor=suffix_decoding_max_spec_factor,
+            suffix_decoding_min_token_prob=suffix_decoding_min_token_prob,
         )
         args = EngineArgs(
             model=model,

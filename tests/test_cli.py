@@ -58,6 +58,11 @@ ROUND_TRIP: dict[str, tuple[list[str], object]] = {
     "typical_acceptance_sampler_posterior_threshold": (["0.2"], 0.2),
     "typical_acceptance_sampler_posterior_alpha": (["0.4"], 0.4),
     "disable_logprobs_during_spec_decoding": ([], True),
+    "speculative_adaptive": (["false"], False),
+    "suffix_decoding_max_tree_depth": (["16"], 16),
+    "suffix_decoding_max_cached_requests": (["0"], 0),
+    "suffix_decoding_max_spec_factor": (["2.5"], 2.5),
+    "suffix_decoding_min_token_prob": (["0.2"], 0.2),
     "use_v2_block_manager": (None, False),
 }
 

@@ -43,7 +43,8 @@ def test_greedy_equals_plain_decoding_with_unrelated_draft(pair, k, request, tes
 def test_self_draft_accepts_everything(tiny_llama, llama_reference, test_prompts, k):
     steps = 6
     max_tokens = 1 + steps * (k + 1)  # the prefill emits 1 token, then full k+1 runs
-    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=k)
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=k,
+                   speculative_adaptive=False)
     outs = llm.generate(test_prompts, _greedy(max_tokens), use_tqdm=False)
     assert _tokens(outs) == [t[:max_tokens] for t in llama_reference]
     spec = llm.get_metrics()["spec_decode"]
@@ -84,6 +85,21 @@ def test_seeded_requests_do_not_depend_on_batch_mates(tiny_llama, tiny_llama_dra
     batch = llm.generate(test_prompts[:6] + [test_prompts[4]], mates + [seeded],
                          use_tqdm=False)
     assert alone == again == batch[-1].outputs[0].token_ids
+
+
+def test_unseeded_sampling_reproducible_with_adaptive_speculation(tiny_llama, tiny_llama_draft,
+                                                                  test_prompts):
+    """Same inputs + same engine seed -> same outputs, although the adaptive policy's k for
+    greedy rows depends on measured step times."""
+    params = [_greedy(REF_TOKENS) if i % 3 == 0 else
+              SamplingParams(temperature=1.0, max_tokens=REF_TOKENS, ignore_eos=True)
+              for i in range(len(test_prompts))]
+    runs = []
+    for _ in range(2):
+        llm = tiny_llm(tiny_llama, seed=11, speculative_model=str(tiny_llama_draft),
+                       num_speculative_tokens=3)
+        runs.append(_tokens(llm.generate(test_prompts, params, use_tqdm=False)))
+    assert runs[0] == runs[1]
 
 
 def test_stops_inside_an_accepted_run(tiny_llama, llama_reference, test_prompts):
@@ -143,7 +159,7 @@ def test_preemption_under_speculation(tiny_llama, llama_reference, test_prompts)
 def test_speculative_limits(tiny_llama, tiny_llama_draft, llama_reference, test_prompts):
     # past speculative_max_model_len sequences decode without speculation (and it is counted)
     llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
-                   speculative_max_model_len=40)
+                   speculative_max_model_len=40, speculative_adaptive=False)
     assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
     spec = llm.get_metrics()["spec_decode"]
     assert spec["num_past_spec_max_len"] > 0 and spec["num_spec_steps"] > 0
@@ -203,7 +219,8 @@ def test_mismatched_vocab_is_rejected(tiny_llama, tmp_path):
 
 def test_verification_is_one_target_pass(tiny_llama, test_prompts, monkeypatch):
     """Each engine step runs the target exactly once, whatever the proposal lengths."""
-    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3)
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   speculative_adaptive=False)
     engine = llm.llm_engine
     calls = []
     original = engine.runner.execute

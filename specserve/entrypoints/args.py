@@ -176,6 +176,17 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "typical acceptance: entropy scale"),
     EngineFlag("disable_logprobs_during_spec_decoding", None,
                "skip logprobs of proposed tokens while speculating", bool_value=True),
+    EngineFlag("speculative_adaptive", None,
+               "adapt the number of proposals to acceptance and load (default on)",
+               bool_value=True),
+    EngineFlag("suffix_decoding_max_tree_depth", int,
+               "'[suffix]': longest context tail matched plus tokens proposed"),
+    EngineFlag("suffix_decoding_max_cached_requests", int,
+               "'[suffix]': earlier requests whose outputs are kept for matching (0: none)"),
+    EngineFlag("suffix_decoding_max_spec_factor", float,
+               "'[suffix]': at most this many proposals per matched context token"),
+    EngineFlag("suffix_decoding_min_token_prob", float,
+               "'[suffix]': stop proposing where the path's frequency falls below this"),
     EngineFlag("use_v2_block_manager", None, "accepted for vLLM compatibility; no effect"),
 )
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(f.name for f in ENGINE_FLAGS)

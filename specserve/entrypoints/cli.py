@@ -1,4 +1,4 @@
-"""The ``specserve`` command: ``specserve generate --prompt "..."`` (more subcommands to come).
+"""The ``specserve`` command: ``specserve generate --prompt "..."``, ``specserve serve [MODEL]``.
 
 Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``handler``; ``main``
 parses, dispatches, and turns the user's mistakes (``ValueError`` from the configs and
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LLM inference with lossless speculative decoding (vLLM-compatible flags).")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
+    _add_serve(subparsers)
     return parser
 
 
@@ -114,6 +115,35 @@ def _generate(args: argparse.Namespace) -> int:
           f"({num_tokens / max(gen_s, 1e-9):.1f} tok/s); model loaded in {load_s:.2f}s",
           file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# specserve serve
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from specserve.entrypoints.openai.cli_args import make_server_parser
+
+    parser = subparsers.add_parser(
+        "serve", allow_abbrev=False, help="run the OpenAI-compatible HTTP server",
+        usage="specserve serve [MODEL] [options]",
+        description="Serve MODEL (or --model; default SmolLM2-135M-Instruct) over HTTP with "
+                    "OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model to serve (same as --model)")
+    make_server_parser(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; "
+                             "give one.")
+        args.model = args.model_tag
+    return run_server(args)
 
 
 if __name__ == "__main__":

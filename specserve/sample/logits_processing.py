@@ -63,6 +63,7 @@ class SamplingTensors:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    random_rows: list[bool] | None = None  # host copy of ~greedy, to draw noise only there
 
     @property
     def num_rows(self) -> int:
@@ -137,6 +138,7 @@ class SamplingTensors:
             no_top_k=all(k == vocab_size for k in top_k),
             no_top_p=all(p.top_p >= 1.0 for p in params),
             no_min_p=all(p.min_p <= 0.0 for p in params),
+            random_rows=[not g for g in greedy],
         )
 
 

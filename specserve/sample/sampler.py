@@ -27,20 +27,29 @@ def exponential_noise(
     device: torch.device | str,
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    needs_noise: list[bool] | None = None,
 ) -> Tensor:
     """[R, V] iid Exp(1) noise; row r comes from generators[r] when it is not None.
 
     Each seeded row draws exactly one [V] block from its generator, in row order, so the same
     seed produces the same noise whatever else is in the batch. Unseeded rows share one batched
-    draw from `default_generator` (torch's default generator when None).
+    draw from `default_generator` (torch's default generator when None). Rows with
+    needs_noise[r] False (greedy rows) draw nothing and get 1.0, so how many greedy rows share
+    the batch never shifts the random stream of the others.
     """
     assert len(generators) == num_rows
-    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)  # [R, V]
-    seeded = [r for r, g in enumerate(generators) if g is not None]
-    if len(seeded) < num_rows:
+    needs = needs_noise if needs_noise is not None else [True] * num_rows
+    noise = torch.ones(num_rows, vocab_size, dtype=torch.float32, device=device)  # [R, V]
+    unseeded = [r for r in range(num_rows) if needs[r] and generators[r] is None]
+    if len(unseeded) == num_rows:
         noise.exponential_(generator=default_generator)
-    for r in seeded:
-        noise[r].exponential_(generator=generators[r])
+    elif unseeded:
+        block = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
+        noise[torch.tensor(unseeded, device=device)] = block.exponential_(
+            generator=default_generator)
+    for r in range(num_rows):
+        if needs[r] and generators[r] is not None:
+            noise[r].exponential_(generator=generators[r])
     return noise.clamp_(min=_MIN_NOISE)
 
 
@@ -62,7 +71,7 @@ def sample(
     num_rows, vocab_size = final_logits.shape
     probs = probs_from_final_logits(final_logits)  # [R, V]
     noise = exponential_noise(num_rows, vocab_size, final_logits.device, generators,
-                              default_generator)  # [R, V]
+                              default_generator, needs_noise=t.random_rows)  # [R, V]
     random_tokens = probs.div_(noise).argmax(dim=-1)  # [R]
     if greedy_tokens is None:
         return random_tokens

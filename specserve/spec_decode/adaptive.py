@@ -101,10 +101,10 @@ class AdaptiveSpeculation:
         """Proposals per sequence (each <= its limit). other_tokens: tokens already in the step
         (one per decoding sequence plus any prompt chunks).
 
-        Pinned sequences (seeded sampled requests) get a k that depends on their own history
-        only: with rejection sampling the token at a position depends on whether it was a
-        proposal or a bonus position, so a seeded request's output stays independent of its
-        batch mates only if its k does."""
+        Pinned sequences (sampled requests) get a k that depends on their own history only:
+        with rejection sampling the token at a position depends on whether it was a proposal
+        or a bonus position, so a sampled request's output is reproducible (and a seeded one
+        independent of its batch mates) only if its k never depends on measured timings."""
         pinned = pinned or [False] * len(seq_ids)
         ks = [0] * len(seq_ids)
         # Candidates (probability the j-th proposal of sequence i is accepted, i, j).

@@ -29,7 +29,7 @@ class SpeculationDriver:
         self.spec_max_model_len = spec_max_model_len
         self.metrics = SpecDecodeMetrics(spec.num_speculative_tokens)
         self.adaptive = (AdaptiveSpeculation(spec.num_speculative_tokens)
-                         if getattr(spec, "adaptive", True) else None)
+                         if spec.adaptive else None)
 
     # ---- before the target pass ------------------------------------------------------------
     def _limit(self, s: ScheduledSequence, batch_size: int) -> int:
@@ -54,7 +54,7 @@ class SpeculationDriver:
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self.adaptive is not None and any(ks):
             other_tokens = sum(s.num_new_tokens for s in scheduled)
-            pinned = [s.seq.params.sampling_type is SamplingType.RANDOM_SEED for _, s in decoding]
+            pinned = [s.seq.params.sampling_type is not SamplingType.GREEDY for _, s in decoding]
             ks = self.adaptive.plan([s.seq.seq_id for _, s in decoding], ks, other_tokens,
                                     pinned)
         if not any(ks):

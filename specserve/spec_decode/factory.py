@@ -12,10 +12,11 @@ from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
+from specserve.spec_decode.suffix import SuffixProposer
 from specserve.worker.loading import LoadedModel, load_model
 from specserve.worker.model_runner import ModelRunner
 
-IMPLEMENTED_METHODS = ("draft_model", "ngram")
+IMPLEMENTED_METHODS = ("draft_model", "ngram", "suffix")
 
 
 def check_implemented(spec: SpeculativeConfig) -> None:
@@ -57,6 +58,11 @@ def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, n
     check_implemented(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min)
+    if spec.method == "suffix":
+        return SuffixProposer(spec.suffix_decoding_max_tree_depth,
+                              spec.suffix_decoding_max_cached_requests,
+                              spec.suffix_decoding_max_spec_factor,
+                              spec.suffix_decoding_min_token_prob)
     assert draft_runner is not None
     return DraftModelProposer(
         draft_runner, BlockManager(num_blocks, block_size, enable_prefix_caching), vocab_size,

@@ -10,9 +10,9 @@ For each sequence with ``n`` proposals ``x_1..x_n`` (drawn from the proposer's d
 The emitted tokens are then distributed exactly as if drawn one by one from the target. A
 proposer without a distribution (n-gram lookup, greedy drafts) is a point mass: ``q(x) = 1``.
 Greedy sequences take the fast path: accept while the proposal equals ``argmax p``, then emit
-``argmax p``. Every sequence consumes a fixed number of random draws per step (``K`` uniforms
-and one ``[V]`` exponential vector) from its own generator when it has one, so a seeded
-request's output never depends on its batch mates.
+``argmax p``. Every random sequence consumes exactly its own number of proposals in uniforms and
+one ``[V]`` exponential vector per step (from its own generator when it has one; greedy rows draw
+nothing), so a seeded request's output never depends on its batch mates.
 
 A sequence with zero proposals reduces to ordinary sampling of one token, so the engine sends
 every sampled sequence through here.
@@ -37,20 +37,25 @@ class AcceptanceResult:
     num_accepted: Tensor  # [S] int64, proposals accepted (num_emitted - 1)
 
 
-def _uniforms(num_draft: list[int], k: int, device, generators,
-              default_generator) -> Tensor:
-    """[S, K] uniforms. A seeded sequence draws exactly its own num_draft from its generator,
-    so its random stream does not depend on how many proposals its batch mates got."""
-    num_seqs = len(num_draft)
-    u = torch.empty(num_seqs, k, device=device, dtype=torch.float32)
-    if k == 0:
-        return u
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < num_seqs:
-        u.uniform_(generator=default_generator)
-    for i in seeded:
-        if num_draft[i]:
-            u[i, : num_draft[i]].uniform_(generator=generators[i])
+def _uniforms(num_draft: list[int], k: int, device, generators, default_generator,
+              random_rows: list[bool]) -> Tensor:
+    """[S, K] uniforms. Each random sequence draws exactly its own num_draft values (seeded
+    ones from their own generator, the others in row order from one batched draw); greedy
+    rows draw nothing. So no sequence's random stream depends on how many proposals its batch
+    mates got, which keeps runs reproducible even when k adapts to measured step times."""
+    u = torch.zeros(len(num_draft), k, device=device, dtype=torch.float32)
+    shared = [(i, n) for i, n in enumerate(num_draft)
+              if random_rows[i] and generators[i] is None and n]
+    if shared:
+        draws = torch.empty(sum(n for _, n in shared), device=device).uniform_(
+            generator=default_generator)
+        offset = 0
+        for i, n in shared:
+            u[i, :n] = draws[offset : offset + n]
+            offset += n
+    for i, n in enumerate(num_draft):
+        if random_rows[i] and generators[i] is not None and n:
+            u[i, :n].uniform_(generator=generators[i])
     return u
 
 
@@ -101,6 +106,7 @@ def rejection_sample(
     acceptance: str = "rejection_sampler",
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    random_rows: list[bool] | None = None,  # host copy of ~greedy (None: all random)
 ) -> AcceptanceResult:
     device = target_argmax.device
     num_draft = torch.tensor(num_draft_host, dtype=torch.long).to(device, non_blocking=True)
@@ -109,8 +115,11 @@ def rejection_sample(
     num_seqs, k_plus_1, vocab = target_probs.shape
     k = k_plus_1 - 1
     safe_draft = draft_token_ids.clamp(min=0)  # [S, K]
-    uniforms = _uniforms(num_draft_host, k, device, generators, default_generator)  # [S, K]
-    noise = exponential_noise(num_seqs, vocab, device, generators, default_generator)  # [S, V]
+    random_rows = random_rows if random_rows is not None else [True] * num_seqs
+    uniforms = _uniforms(num_draft_host, k, device, generators, default_generator,
+                         random_rows)  # [S, K]
+    noise = exponential_noise(num_seqs, vocab, device, generators, default_generator,
+                              needs_noise=random_rows)  # [S, V]
 
     # --- acceptance per position -----------------------------------------------------------
     p_of_x = target_probs[:, :k].gather(2, safe_draft[..., None]).squeeze(2)  # [S, K]

@@ -10,6 +10,9 @@ NGRAM_MODEL_NAME = "[ngram]"
 SUFFIX_MODEL_NAME = "[suffix]"
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 METHODS = ("draft_model", "ngram", "suffix", "mlp_speculator", "medusa", "eagle")
+# Suffix decoding options: the same name as an LLM keyword, a v1 dict key and a field (vLLM's).
+SUFFIX_OPTIONS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                  "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 # v1 dict keys -> our field names
 _V1_ALIASES = {"model": "model", "num_speculative_tokens": "num_speculative_tokens",
                "method": "method", "prompt_lookup_max": "ngram_prompt_lookup_max",
@@ -17,11 +20,20 @@ _V1_ALIASES = {"model": "model", "num_speculative_tokens": "num_speculative_toke
                "draft_tensor_parallel_size": "draft_tensor_parallel_size",
                "max_model_len": "max_model_len",
                "disable_by_batch_size": "disable_by_batch_size",
-               "acceptance_method": "acceptance_method"}
+               "acceptance_method": "acceptance_method",
+               **{name: name for name in SUFFIX_OPTIONS}}
 
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,11 @@ class SpeculativeConfig:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     disable_logprobs: bool = True
+    adaptive: bool = True  # adapt k per sequence and per batch (see spec_decode/adaptive.py)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -70,6 +87,20 @@ class SpeculativeConfig:
         if not 0.0 <= self.posterior_alpha <= 1.0:
             _fail(f"typical_acceptance_sampler_posterior_alpha={self.posterior_alpha!r} must be "
                   "in [0, 1].")
+        self._check_suffix_options()
+
+    def _check_suffix_options(self) -> None:
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_int(depth) or depth < 1:
+            _fail(f"suffix_decoding_max_tree_depth={depth!r} must be an int >= 1.")
+        if not _is_int(cached) or cached < 0:
+            _fail(f"suffix_decoding_max_cached_requests={cached!r} must be an int >= 0 "
+                  "(0 turns the cache of earlier requests' outputs off).")
+        if not _is_number(factor) or factor < 0:
+            _fail(f"suffix_decoding_max_spec_factor={factor!r} must be a number >= 0.")
+        if not _is_number(prob) or not 0.0 <= prob <= 1.0:
+            _fail(f"suffix_decoding_min_token_prob={prob!r} must be a number in [0, 1].")
 
     @classmethod
     def from_args(
@@ -86,6 +117,11 @@ class SpeculativeConfig:
         typical_acceptance_sampler_posterior_threshold: float | None = None,
         typical_acceptance_sampler_posterior_alpha: float | None = None,
         disable_logprobs_during_spec_decoding: bool | None = None,
+        speculative_adaptive: bool = True,
+        suffix_decoding_max_tree_depth: int = 24,
+        suffix_decoding_max_cached_requests: int = 10000,
+        suffix_decoding_max_spec_factor: float = 1.0,
+        suffix_decoding_min_token_prob: float = 0.1,
     ) -> SpeculativeConfig | None:
         """None when no speculation was asked for; otherwise a validated config."""
         values: dict[str, Any] = {
@@ -97,6 +133,10 @@ class SpeculativeConfig:
             "max_model_len": speculative_max_model_len,
             "disable_by_batch_size": speculative_disable_by_batch_size,
             "acceptance_method": spec_decoding_acceptance_method,
+            "suffix_decoding_max_tree_depth": suffix_decoding_max_tree_depth,
+            "suffix_decoding_max_cached_requests": suffix_decoding_max_cached_requests,
+            "suffix_decoding_max_spec_factor": suffix_decoding_max_spec_factor,
+            "suffix_decoding_min_token_prob": suffix_decoding_min_token_prob,
         }
         if speculative_config is not None:
             if not isinstance(speculative_config, dict):
@@ -116,6 +156,9 @@ class SpeculativeConfig:
         if method is None:
             method = {NGRAM_MODEL_NAME: "ngram", SUFFIX_MODEL_NAME: "suffix"}.get(
                 values["model"], "draft_model")
+        if values["num_speculative_tokens"] is None and method == "suffix":
+            # vLLM's rule: suffix decoding sizes each proposal itself; k is only a cap.
+            values["num_speculative_tokens"] = values["suffix_decoding_max_tree_depth"]
         if values["num_speculative_tokens"] is None:
             _fail("num_speculative_tokens is required when speculative decoding is enabled.")
         if typical_acceptance_sampler_posterior_threshold is not None:
@@ -124,6 +167,9 @@ class SpeculativeConfig:
             values["posterior_alpha"] = typical_acceptance_sampler_posterior_alpha
         if disable_logprobs_during_spec_decoding is not None:
             values["disable_logprobs"] = disable_logprobs_during_spec_decoding
+        if not isinstance(speculative_adaptive, bool):
+            _fail(f"speculative_adaptive={speculative_adaptive!r} must be True or False.")
+        values["adaptive"] = speculative_adaptive
         if method == "ngram" and values["ngram_prompt_lookup_min"] is None:
             values["ngram_prompt_lookup_min"] = 1
         known = {f.name for f in fields(cls)}

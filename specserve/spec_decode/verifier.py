@@ -80,7 +80,8 @@ class Verifier:
             target_probs, argmax, draft_ids, draft_probs, counts, greedy,
             [s.generator for s in seqs], self.default_generator,
             acceptance=self.acceptance_method, posterior_threshold=self.posterior_threshold,
-            posterior_alpha=self.posterior_alpha,
+            posterior_alpha=self.posterior_alpha, random_rows=[
+                s.params.sampling_type is not SamplingType.GREEDY for s in seqs],
         )
         tokens = result.output_token_ids.tolist()  # the step's one device->host sync
         emitted_counts = result.num_emitted.tolist()
