@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from specserve.model.base import CausalLM, KVGeometry
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
-from specserve.model.layers.rotary import RotaryEmbedding, rope_settings
+from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
 from specserve.model.weights import fused_linear
 
 
@@ -38,11 +38,21 @@ class LlamaAttentionBlock(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               scale=self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                rope: RotaryTable | None = None) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]. `rope` is the step's rotary table (looked up once
+        by LlamaModel for all layers); computed here when the layer is called alone."""
+        if rope is None:
+            rope = self.rotary_emb.table(positions)
+        t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2*kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k, self.num_heads, self.num_kv_heads)
+        # q and k rotate together: one set of ops over H + KvH heads instead of two.
+        qk = self.rotary_emb.rotate(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1),
+            rope)  # [T, H + KvH, D]
+        qk = qk.view(t, -1)  # [T, q + kv]
+        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
+        v = qkv[:, self.q_size + self.kv_size :]  # [T, kv]
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -70,8 +80,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, positions, hidden, meta, rope: RotaryTable | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -86,8 +96,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        # Every layer has the same rotary table; look the step's positions up once.
+        rope = self.layers[0].self_attn.rotary_emb.table(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(positions, hidden, meta, rope)
         return self.norm(hidden)
 
 

@@ -57,6 +57,8 @@ class ModelRunner:
                              "gpu_memory_utilization or kv_cache_memory_bytes.")
         t0 = time.perf_counter()
         caches = allocate_kv_cache(geom, num_blocks, self.block_size, self.dtype, self.device)
+        # A fresh backend per cache: backends may keep state about the cache across steps.
+        self.backend = get_attention_backend(self.device)
         for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
             layer.bind(k, v, self.backend)
         self.num_blocks = num_blocks
@@ -105,8 +107,10 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
+        # Plain decoding wants every row in order: skip the [T, hidden] gather then.
+        every_row = logit_rows == list(range(len(input_ids)))
         return (tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                tensor(logit_rows, torch.int64))
+                None if every_row else tensor(logit_rows, torch.int64))
 
     @torch.inference_mode()
     def execute(self, runs: list[SequenceRun]) -> torch.Tensor:
@@ -115,4 +119,6 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self._prepare(runs)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[logit_rows]).float()  # [R, vocab]
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]  # [R, hidden]
+        return self.model.compute_logits(hidden).float()  # [R, vocab]

@@ -13,8 +13,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; like HF, normalise in float32 then scale in x's dtype."""
+        """x: [T, hidden] -> [T, hidden]; like HF, normalise in float32 then scale in x's dtype.
+
+        HF's exact op sequence; for float32 inputs the two dtype casts are skipped (each is
+        still a dispatch, and there are 61 norms per step)."""
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x if dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * (x32 if dtype == torch.float32 else x32.to(dtype))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,15 +42,24 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
 
 
+class RotaryTable(NamedTuple):
+    """One step's rotation factors, looked up once per forward and shared by all layers."""
+
+    cos: torch.Tensor  # [T, 1, 1, rot/2] float32
+    sin: torch.Tensor  # [T, 1, 2, rot/2] float32: -sin for the first half, +sin for the second
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
+        self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (
-            base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu") / self.rotary_dim)
+            base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu")
+                     / self.rotary_dim)
         )
         rope_type = None
         if rope_scaling:
@@ -68,23 +77,38 @@ class RotaryEmbedding(nn.Module):
         # with to_empty(), which would leave buffers uninitialised. Moved on first use.
         self.cos = freqs.cos()  # [max_pos, rot/2] float32
         self.sin = freqs.sin()
+        # The sign pattern of "rotate half" folded into the table (see rotate).
+        self.signed_sin = torch.stack((-self.sin, self.sin), dim=1)  # [max_pos, 2, rot/2]
+
+    def table(self, positions: torch.Tensor) -> RotaryTable:
+        """positions [T] -> this step's factors (one lookup per step, not per layer)."""
+        if self.cos.device != positions.device:
+            self.cos = self.cos.to(positions.device)
+            self.sin = self.sin.to(positions.device)
+            self.signed_sin = self.signed_sin.to(positions.device)
+        return RotaryTable(self.cos[positions][:, None, None, :],
+                           self.signed_sin[positions][:, None])
+
+    def rotate(self, x: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+        """x [T, heads, D] -> rotated copy [T, heads, D] (HF "rotate half" layout).
+
+        With x = [x1, x2] per head, HF computes [x1*cos - x2*sin, x2*cos + x1*sin]. Viewing the
+        halves as an axis of 2, that is ``x * cos + swap(x) * [-sin, +sin]``: four whole-tensor
+        ops and bit-identical to HF's (a negated product added equals the product subtracted).
+        """
+        t, heads = x.shape[0], x.shape[1]
+        rot = x if self.rotary_dim == self.head_dim else x[..., : self.rotary_dim]
+        halves = rot.float().reshape(t, heads, 2, self.rotary_dim // 2)  # [T, h, 2, rot/2]
+        rotated = halves * table.cos + halves.flip(2) * table.sin  # [T, h, 2, rot/2]
+        rotated = rotated.view(t, heads, self.rotary_dim).to(x.dtype)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H*D]; k: [T, KvH*D] -> rotated q, k (same shapes)."""
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return (self._rotate(q, cos, sin, num_heads), self._rotate(k, cos, sin, num_kv_heads))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                num_heads: int) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.view(t, num_heads, -1)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        if rest.shape[-1]:
-            rotated = torch.cat((rotated, rest), dim=-1)
-        return rotated.reshape(t, -1)
+        table = self.table(positions)
+        t = q.shape[0]
+        return (self.rotate(q.view(t, num_heads, -1), table).reshape(t, -1),
+                self.rotate(k.view(t, num_kv_heads, -1), table).reshape(t, -1))

@@ -1,64 +1,220 @@
-"""Reference attention in plain torch: gather each sequence's KV through its block table.
+"""Reference attention in plain torch: read each sequence's KV through its block table.
 
-Queries and keys are laid out as a padded batch ``[num_seqs, max_query_len]`` x
-``[num_seqs, max_seq_len]`` and one batched SDPA call serves prefill chunks, decodes and
-multi-token verification together. Padding is cheap at CPU batch sizes and keeps the number of
-kernel launches per layer constant, which matters more on CPU than the wasted FLOPs.
+One SDPA call per layer serves the whole batch. ``prepare`` looks at the batch once per step
+and picks the cheapest layout that is exact for it, so the per-layer work is a couple of
+gathers and one kernel, with every index and mask built once and shared by all layers:
+
+* ``_DecodeLayout`` - every query run is one token (plain decoding, the common case). Queries
+  need no gather ([T, H, D] already is [S, H, D]); grouped-query heads are folded into the
+  query-length axis ([S, KvH, G, D]) so no key/value head is ever repeated; the context comes
+  from a ``ContextMirror`` kept across decode steps (grown by one row per sequence per step)
+  or, when that does not apply, from a whole-block gather; ragged context lengths cost one
+  additive mask row per sequence and equal ones need no mask at all.
+* ``_PrefillLayout`` - every run is a whole prompt starting at position 0, so the context is
+  exactly the run itself: keys/values come from this step's own slots and ``is_causal`` replaces
+  the [S, Q, K] mask (SDPA then also skips the masked half of the work).
+* ``_MixedLayout`` - anything else (prefill chunks over a cached prefix, multi-token
+  verification, mixed batches): a padded ``[num_seqs, max_query_len]`` x
+  ``[num_seqs, max_seq_len]`` batch with one precomputed additive mask.
+
+Padding is cheap at CPU batch sizes and keeps the number of ops per layer constant, which
+matters more on CPU (30 layers x per-op dispatch) than the wasted FLOPs.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 
 from specserve.model.layers.attention.backend import AttentionBackend
 from specserve.model.layers.attention.metadata import AttentionMetadata
+from specserve.model.layers.attention.torch_context_mirror import ContextMirror, MirrorStep
+
+NEG_INF = float("-inf")
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
+                   max_k: int) -> torch.Tensor:
+    """cache [N, bs, KvH, D], block_ids [S * nb] -> [S, KvH, max_k, D] (a strided view of one
+    copy). Whole-block index_select copies bs * KvH * D contiguous floats per index, several
+    times faster than gathering slot by slot."""
+    blocks = cache.index_select(0, block_ids)  # [S * nb, bs, KvH, D]
+    kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    return blocks.view(num_seqs, -1, kv_heads, head_dim)[:, :max_k].transpose(1, 2)
+
+
+class _AdditiveMask:
+    """A boolean "may attend" mask turned into SDPA's additive form once per step and dtype.
+
+    Additive because SDPA would otherwise convert a boolean mask in every layer; built lazily
+    because the mask must match the query dtype, which only the layers know."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+        self._additive: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype) -> torch.Tensor:
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            mask = self._additive[dtype] = mask.masked_fill_(~self.allowed, NEG_INF)
+        return mask
+
+
+class _Layout(ABC):
+    """Per-step indices and masks for one batch shape; `attend` runs once per layer."""
+
+    def wrote_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
+        """Called once per layer after this step's K/V ([T, KvH, D]) reached the paged cache;
+        only layouts that keep state across steps care."""
+        return None
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """query [T, H, D], caches [N, bs, KvH, D] -> [T, H, D]."""
+
+
+def _block_ids(meta: AttentionMetadata) -> torch.Tensor:
+    """[S * nb] int64: the blocks covering each sequence's first max_seq_len slots."""
+    num_blocks = (meta.max_seq_len + meta.block_size - 1) // meta.block_size
+    return meta.block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
+
+
+class _DecodeLayout(_Layout):
+    def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
+        self.max_k = meta.max_seq_len
+        self.mirror = mirror  # None: gather the context from the paged cache in every layer
+        self.block_ids = _block_ids(meta) if mirror is None else None  # [S * nb]
+        self.mask = None  # equal context lengths: the gathered keys are exactly the context
+        if min(meta.seq_lens_host) != self.max_k:
+            k_pos = torch.arange(self.max_k, device=meta.seq_lens.device)  # [K]
+            allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
+            self.mask = _AdditiveMask(allowed[:, None, None, :])  # [S, 1, 1, K]
+
+    def wrote_kv(self, key, value, k_cache):
+        if self.mirror is not None:
+            self.mirror.write(key, value, k_cache)
+
+    def attend(self, query, k_cache, v_cache, scale):
+        s, num_heads, head_dim = query.shape
+        kv_heads = k_cache.shape[2]
+        # The G = H / KvH query heads sharing a KV head become G query rows of that head (HF
+        # maps query head h to KV head h // G, which is exactly this view): no KV repeat.
+        q = query.reshape(s, kv_heads, num_heads // kv_heads, head_dim)  # [S, KvH, G, D]
+        if self.mirror is not None:
+            k, v = self.mirror.context(k_cache, v_cache, self.max_k)  # [S, KvH, K, D] each
+        else:
+            k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
+            v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
+        mask = None if self.mask is None else self.mask.get(query.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(s, num_heads, head_dim)  # [S, KvH, G, D] -> [T, H, D]
+
+
+def _padded_query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [S, Q] of each padded query row into the flat tokens, padding clamped onto a real
+    row; flat index [T] of each real row inside the padded [S * Q] layout)."""
+    device = meta.slot_mapping.device
+    max_q = meta.max_query_len
+    query_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)  # [S]
+    starts = meta.query_start_loc[:-1].to(torch.int64)  # [S]
+    q_offsets = torch.arange(max_q, device=device)  # [Q]
+    q_index = (starts[:, None] + q_offsets[None, :]).clamp(max=meta.num_tokens - 1)  # [S, Q]
+    seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device),
+                                           query_lens)  # [T]
+    offset_in_run = torch.arange(meta.num_tokens, device=device) - starts[seq_of_token]  # [T]
+    return q_index, seq_of_token * max_q + offset_in_run
+
+
+def _unpad(out: torch.Tensor, real_rows: torch.Tensor | None) -> torch.Tensor:
+    """SDPA output [S, H, Q, D] -> [T, H, D]: the real query rows, in token order."""
+    s, num_heads, max_q, head_dim = out.shape
+    flat = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)  # [S*Q, H, D]
+    return flat if real_rows is None else flat.index_select(0, real_rows)
+
+
+class _PrefillLayout(_Layout):
+    def __init__(self, meta: AttentionMetadata) -> None:
+        if meta.num_seqs == 1:
+            self.q_index = self.real_rows = None  # the flat tokens already are the one run
+            self.kv_slots = meta.slot_mapping[None]  # [1, T]
+        else:
+            self.q_index, self.real_rows = _padded_query_index(meta)  # [S, Q], [T]
+            self.kv_slots = meta.slot_mapping[self.q_index]  # [S, Q]: each run's own slots
+
+    def attend(self, query, k_cache, v_cache, scale):
+        # This step wrote the whole context, so reading its own slots back gives the keys and
+        # values without touching the rest of the cache.
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [N * bs, KvH, D]
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        q = query[None] if self.q_index is None else query[self.q_index]  # [S, Q, H, D]
+        k = flat_k[self.kv_slots].transpose(1, 2)  # [S, KvH, Q, D]
+        v = flat_v[self.kv_slots].transpose(1, 2)
+        # Runs are left-aligned, so real query row i sees keys 0..i, all of them real; padded
+        # rows see finite junk and are dropped by _unpad.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                             scale=scale,
+                                             enable_gqa=query.shape[1] != k_cache.shape[2])
+        return _unpad(out, self.real_rows)  # [T, H, D]
+
+
+class _MixedLayout(_Layout):
+    def __init__(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        self.max_k = meta.max_seq_len
+        self.q_index, self.real_rows = _padded_query_index(meta)  # [S, Q], [T]
+        query_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)  # [S]
+        seq_lens = meta.seq_lens.to(torch.int64)  # [S]
+        # Absolute position of each query: context before the run plus its offset in the run.
+        q_pos = (seq_lens - query_lens)[:, None] + torch.arange(meta.max_query_len,
+                                                                device=device)  # [S, Q]
+        k_pos = torch.arange(self.max_k, device=device)  # [K]
+        allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < seq_lens[:, None, None]
+        )  # [S, Q, K]
+        # Padded query rows attend to key 0 so that softmax never sees an all-masked row.
+        allowed[:, :, 0] = True
+        self.mask = _AdditiveMask(allowed[:, None])  # [S, 1, Q, K]
+        self.block_ids = _block_ids(meta)  # [S * nb]
+
+    def attend(self, query, k_cache, v_cache, scale):
+        s = self.q_index.shape[0]
+        q = query[self.q_index].transpose(1, 2)  # [S, H, Q, D]
+        k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
+        v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.get(query.dtype),
+                                             scale=scale,
+                                             enable_gqa=query.shape[1] != k_cache.shape[2])
+        return _unpad(out, self.real_rows)  # [T, H, D]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        self.mirror = ContextMirror()  # decode context kept across steps (see its module)
+
     def prepare(self, meta: AttentionMetadata) -> None:
-        device = meta.slot_mapping.device
-        num_seqs, max_q, max_k = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-        query_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)  # [S]
-        seq_lens = meta.seq_lens.to(torch.int64)  # [S]
-        starts = meta.query_start_loc[:-1].to(torch.int64)  # [S]
-        q_offsets = torch.arange(max_q, device=device)  # [Q]
-        q_valid = q_offsets[None, :] < query_lens[:, None]  # [S, Q]
-        q_index = (starts[:, None] + q_offsets[None, :]).clamp(max=meta.num_tokens - 1)  # [S, Q]
-        # Absolute position of each query: context before the run plus its offset in the run.
-        q_pos = (seq_lens - query_lens)[:, None] + q_offsets[None, :]  # [S, Q]
-        k_pos = torch.arange(max_k, device=device)  # [K]
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
-            k_pos[None, None, :] < seq_lens[:, None, None]
-        )  # [S, Q, K]
-        # Padded query rows attend to key 0 so that softmax never sees an all-masked row.
-        mask[:, :, 0] = True
-        bs = meta.block_size
-        block_idx = meta.block_tables[:, : (max_k + bs - 1) // bs].to(torch.int64)  # [S, nb]
-        slots = (block_idx[:, :, None] * bs + torch.arange(bs, device=device)).reshape(num_seqs, -1)
-        meta.backend_state["torch"] = {
-            "q_valid": q_valid,
-            "q_index": q_index,
-            "kv_slots": slots[:, :max_k],  # [S, K]
-            "mask": mask[:, None, :, :],  # [S, 1, Q, K]
-        }
+        """Pick this step's layout (the one place that chooses) and precompute it."""
+        whole_prompts = all(q == s for q, s in zip(meta.query_lens, meta.seq_lens_host,
+                                                   strict=True))
+        if meta.max_query_len == 1 and not whole_prompts:
+            layout: _Layout = _DecodeLayout(meta, self.mirror.plan(meta))
+        else:
+            self.mirror.invalidate()  # this step writes K/V the mirror does not follow
+            layout = _PrefillLayout(meta) if whole_prompts else _MixedLayout(meta)
+        meta.backend_state["torch"] = layout
 
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
-        k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping] = key
-        v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping] = value
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value)
+        self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
+        layout = meta.backend_state.get("torch")  # None when called outside a prepared step
+        if layout is not None:
+            layout.wrote_kv(key, value, k_cache)
 
     def forward(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        state = meta.backend_state["torch"]
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        kv_heads = k_cache.shape[2]
-        q = query[state["q_index"]].transpose(1, 2)  # [S, H, Q, D]
-        flat_k = k_cache.view(-1, kv_heads, head_dim)
-        flat_v = v_cache.view(-1, kv_heads, head_dim)
-        k = flat_k[state["kv_slots"]].transpose(1, 2)  # [S, KvH, K, D]
-        v = flat_v[state["kv_slots"]].transpose(1, 2)  # [S, KvH, K, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=state["mask"], scale=scale, enable_gqa=num_heads != kv_heads
-        )  # [S, H, Q, D]
-        return out.transpose(1, 2)[state["q_valid"]]  # [T, H, D]
+        return meta.backend_state["torch"].attend(query, k_cache, v_cache, scale)  # [T, H, D]

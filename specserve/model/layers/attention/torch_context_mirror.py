@@ -1,0 +1,128 @@
+"""Contiguous copies of a decode batch's K/V context, kept from one decode step to the next.
+
+Why: the torch backend reads the paged cache by gathering every sequence's blocks into a padded
+``[S, K, KvH, D]`` tensor, in every layer of every step. At batch 32 that gather (scattered
+blocks, cold again after 540 MB of weights streamed through the caches) costs as much as the
+attention itself. During plain decoding the batch is the same from one step to the next with
+each sequence one token longer, so the gathered context can be kept and grown by one row per
+sequence instead of being gathered again.
+
+The mirror is a pure cache of the paged KV cache: it is rebuilt from it whenever the batch is not
+exactly "the previous decode batch, one token further" (a sequence joined or left, a prefill or
+a multi-token verification ran, a block table changed, the context outgrew the capacity), and it
+is not used when it would need more than ``MAX_MIRROR_FRACTION`` of the paged cache's memory.
+CPU only: on an accelerator that memory would sit outside the KV cache budget (and the gather is
+cheap there anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model.layers.attention.metadata import AttentionMetadata
+
+# Capacity past the longest context at a rebuild: the mirror is re-gathered once every
+# HEADROOM_BLOCKS * block_size steps instead of every step.
+HEADROOM_BLOCKS = 4
+# The mirror (all layers) may hold at most this fraction of the paged cache's token capacity.
+MAX_MIRROR_FRACTION = 0.5
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass
+class MirrorStep:
+    """What one decode step does with the mirror, shared by all layers."""
+
+    mirror: ContextMirror
+    extend: bool  # True: write this step's K/V rows; False: rebuild from the paged cache
+    index: torch.Tensor  # extend: [S] flat row of each new token; rebuild: [S * blocks] ids
+    rows: int  # S
+    capacity: int  # tokens per mirrored sequence
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
+        """key/value [S, KvH, D]: this step's token of every sequence (extend steps only)."""
+        if self.extend:
+            mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
+            mk.view(-1, *mk.shape[2:]).index_copy_(0, self.index, key)
+            mv.view(-1, *mv.shape[2:]).index_copy_(0, self.index, value)
+
+    def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V for keys [0, max_k): [S, KvH, K, D] strided views."""
+        mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
+        if not self.extend:  # the cache already holds this step's K/V (written first)
+            block = k_cache.shape[1]
+            torch.index_select(k_cache, 0, self.index, out=mk.view(-1, block, *mk.shape[2:]))
+            torch.index_select(v_cache, 0, self.index, out=mv.view(-1, block, *mv.shape[2:]))
+        return mk[:, :max_k].transpose(1, 2), mv[:, :max_k].transpose(1, 2)
+
+
+class ContextMirror:
+    """One per attention backend (so per model runner); buffers keyed by each layer's cache."""
+
+    def __init__(self) -> None:
+        self.cache_tokens = 0  # token capacity of one layer's paged cache; 0 until known
+        self._seq_lens: list[int] = []  # context lengths the mirror holds (empty: invalid)
+        self._tables: torch.Tensor | None = None  # [S, W] block tables it was built from
+        self._capacity = 0
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def invalidate(self) -> None:
+        self._seq_lens, self._tables = [], None
+
+    def plan(self, meta: AttentionMetadata) -> MirrorStep | None:
+        """Decide this decode step: extend the mirror, rebuild it, or (None) do without."""
+        if meta.block_tables.device.type != "cpu":
+            return None  # on accelerators its memory would be outside the KV cache budget
+        bs, rows = meta.block_size, meta.num_seqs
+        needed = _cdiv(meta.max_seq_len, bs)
+        extend = self._extends(meta) and needed * bs <= self._capacity
+        if not extend:
+            capacity = (needed + HEADROOM_BLOCKS) * bs
+            if rows * capacity > MAX_MIRROR_FRACTION * self.cache_tokens:
+                self.invalidate()
+                return None
+            self._capacity = capacity
+        self._seq_lens, self._tables = list(meta.seq_lens_host), meta.block_tables
+        device = meta.block_tables.device
+        if extend:
+            rows_idx = torch.arange(rows, device=device) * self._capacity  # [S]
+            index = rows_idx + meta.seq_lens.to(torch.int64) - 1  # [S]
+        else:
+            cap_blocks = self._capacity // bs
+            tables = meta.block_tables[:, :cap_blocks].to(torch.int64)  # [S, <= cap_blocks]
+            index = torch.nn.functional.pad(tables, (0, cap_blocks - tables.shape[1]))
+            index = index.reshape(-1)  # [S * cap_blocks]; padding reads block 0 (masked)
+        return MirrorStep(self, extend, index, rows, self._capacity)
+
+    def _extends(self, meta: AttentionMetadata) -> bool:
+        """True when this batch is the mirrored one, every sequence exactly one token longer
+        and still reading the same blocks for the tokens the mirror holds."""
+        prev = self._seq_lens
+        if not prev or len(prev) != meta.num_seqs or self._tables is None:
+            return False
+        if any(cur != old + 1 for cur, old in zip(meta.seq_lens_host, prev, strict=True)):
+            return False
+        bs = meta.block_size
+        held = torch.tensor([_cdiv(n, bs) for n in prev])  # [S] blocks holding mirrored tokens
+        width = int(held.max())
+        if meta.block_tables.shape[1] < width or self._tables.shape[1] < width:
+            return False
+        same = meta.block_tables[:, :width] == self._tables[:, :width]  # [S, W]
+        beyond = torch.arange(width)[None, :] >= held[:, None]  # [S, W]: not mirrored there
+        return bool((same | beyond).all())
+
+    def buffers(self, k_cache: torch.Tensor, rows: int,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (K, V) mirror, [rows, capacity, KvH, D] each, (re)allocated on demand."""
+        key = k_cache.data_ptr()
+        shape = (rows, capacity, *k_cache.shape[2:])
+        held = self._buffers.get(key)
+        if held is None or held[0].shape != shape:
+            held = self._buffers[key] = (k_cache.new_empty(shape), k_cache.new_empty(shape))
+        return held

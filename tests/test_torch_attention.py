@@ -1,0 +1,140 @@
+"""The torch attention backend's step layouts and its decode context mirror, against transformers.
+
+Every scenario runs the same steps on two runners, one with the mirror and one without (plain
+block gathers), and checks each step's logits against transformers on the full token prefix: the
+mirror must be invisible, including when the batch changes under it (sequences leave and join,
+a multi-token verification rewrites positions, a sequence steps back, contexts outgrow its
+capacity).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_model
+
+from specserve.config import CacheConfig
+from specserve.model.layers.attention import torch_context_mirror
+from specserve.model.loader import iter_weights, load_hf_config, resolve_model
+from specserve.model.registry import build_model
+from specserve.worker.model_runner import ModelRunner, SequenceRun
+
+BLOCK = 4  # small blocks: contexts cross many block and capacity boundaries
+ATOL = 1e-4
+
+
+def _runner(path) -> ModelRunner:
+    source = resolve_model(str(path))
+    model = build_model(load_hf_config(source), iter_weights(source), torch.float32,
+                        torch.device("cpu"))
+    runner = ModelRunner(model, torch.device("cpu"), torch.float32, BLOCK)
+    runner.init_kv_cache(CacheConfig(), 0, num_blocks=400)
+    return runner
+
+
+class _Seq:
+    """One sequence's tokens and its (contiguous, never shared) blocks."""
+
+    def __init__(self, ids: list[int], first_block: int, vocab: int) -> None:
+        self.ids, self.vocab = ids, vocab
+        self.blocks = list(range(first_block, first_block + 40))
+        self.done = 0  # tokens whose K/V are cached
+
+    def run(self, n: int, back: int = 0) -> SequenceRun:
+        """The next n tokens, after stepping back `back` positions (a rollback: the tokens from
+        there on change, so K/V left over from before would give wrong logits)."""
+        if back:
+            self.done -= back
+            self.ids[self.done :] = [3 + (t + 1) % (self.vocab - 3) for t in self.ids[self.done :]]
+        run = SequenceRun(self.ids[self.done : self.done + n], self.done, self.blocks,
+                          list(range(n)))
+        self.done += n
+        return run
+
+
+class _Pair:
+    """Two runners (mirror on / off) stepped in lockstep and checked against transformers."""
+
+    def __init__(self, path, monkeypatch) -> None:
+        self.mirrored, self.plain = _runner(path), _runner(path)
+        self.monkeypatch = monkeypatch
+        self.hf = hf_model(path)
+        self.vocab = self.hf.config.vocab_size
+
+    def step(self, seqs: list[_Seq], runs: list[SequenceRun]) -> None:
+        out = self.mirrored.execute(runs)
+        with self.monkeypatch.context() as m:
+            m.setattr(torch_context_mirror, "MAX_MIRROR_FRACTION", 0.0)
+            ref = self.plain.execute(runs)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+        row = 0
+        for seq, run in zip(seqs, runs, strict=True):
+            with torch.no_grad():
+                full = self.hf(torch.tensor([seq.ids[: run.start + len(run.token_ids)]])).logits
+            expected = full[0, run.start :]  # [n, vocab]
+            torch.testing.assert_close(out[row : row + len(run.token_ids)], expected, atol=ATOL,
+                                       rtol=0)
+            row += len(run.token_ids)
+
+
+@pytest.fixture
+def pair(tiny_llama, monkeypatch):
+    return _Pair(tiny_llama, monkeypatch)
+
+
+def _seqs(vocab: int, lengths: list[int], seed: int = 0) -> list[_Seq]:
+    gen = torch.Generator().manual_seed(seed)
+    return [_Seq(torch.randint(3, vocab, (n,), generator=gen).tolist(), 1 + 40 * i, vocab)
+            for i, n in enumerate(lengths)]
+
+
+def test_mirror_uses_less_than_its_budget(pair):
+    """The mirror is really used here (the other tests would pass vacuously otherwise)."""
+    seqs = _seqs(pair.vocab, [60, 60])
+    pair.step(seqs, [s.run(5) for s in seqs])
+    pair.step(seqs, [s.run(1) for s in seqs])
+    assert pair.mirrored.backend.mirror._seq_lens == [6, 6]
+
+
+def test_batch_decode_through_capacity_growth_and_changes(pair):
+    seqs = _seqs(pair.vocab, [120, 120, 120])
+    prompts = [7, 3, 12]
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, prompts, strict=True)])  # ragged prefill
+    for _ in range(25):  # ragged decode; > HEADROOM_BLOCKS * BLOCK tokens: capacity grows
+        pair.step(seqs, [s.run(1) for s in seqs])
+    kept = [seqs[0], seqs[2]]  # a sequence leaves
+    for _ in range(3):
+        pair.step(kept, [s.run(1) for s in kept])
+    newcomer = _seqs(pair.vocab, [60], seed=1)[0]
+    newcomer.blocks = list(range(300, 340))
+    both = kept + [newcomer]  # one joins: its prompt shares the step with two decodes
+    pair.step(both, [kept[0].run(1), kept[1].run(1), newcomer.run(9)])
+    for _ in range(3):
+        pair.step(both, [s.run(1) for s in both])
+
+
+def test_decode_after_verification_and_rollback(pair):
+    seqs = _seqs(pair.vocab, [100, 100])
+    pair.step(seqs, [s.run(10) for s in seqs])
+    for _ in range(3):
+        pair.step(seqs, [s.run(1) for s in seqs])
+    # A multi-token verification step, then both roll back two positions and decode again:
+    # the recomputed positions must not be read from a stale mirror.
+    pair.step(seqs, [s.run(4) for s in seqs])
+    pair.step(seqs, [s.run(1, back=2) for s in seqs])
+    for _ in range(3):
+        pair.step(seqs, [s.run(1) for s in seqs])
+    # A single-token step that rewrites the last position (as a draft model's catch-up can).
+    pair.step(seqs, [s.run(1, back=1) for s in seqs])
+    pair.step(seqs, [s.run(1) for s in seqs])
+
+
+def test_swapped_sequence_is_not_read_from_the_mirror(pair):
+    """Same batch size, every context one token longer, but a different sequence in a row: only
+    the block tables tell the mirror that the row's context is not the one it holds."""
+    a, b, c = _seqs(pair.vocab, [40, 40, 40])
+    pair.step([a, b], [a.run(10), b.run(10)])
+    pair.step([c], [c.run(13)])
+    for _ in range(3):  # a and b reach 13 tokens, like c
+        pair.step([a, b], [a.run(1), b.run(1)])
+    pair.step([a, c], [a.run(1), c.run(1)])
