@@ -71,6 +71,8 @@ class SpecDecodeCounters:
             "system_efficiency": self.system_efficiency,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
         }
 
 
