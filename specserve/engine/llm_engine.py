@@ -67,7 +67,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
         target = load_model(args.model, self.dtype, self.device, self.source, self.hf_config)
         self.vocab_size = target.model.vocab_size
-        self.max_model_len = self._derive_max_model_len(args.max_model_len)
+        self.max_model_len = self._derive_max_model_len(args.max_model_len,
+                                                        target.max_position_embeddings)
         block_size = args.cache.block_size
         self.runner = ModelRunner(target.model, self.device, self.dtype, block_size)
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
@@ -125,13 +126,11 @@ class LLMEngine:
                 "max_model_len or give the cache more memory (kv_cache_memory_bytes, "
                 "gpu_memory_utilization, num_gpu_blocks_override).")
         for runner in runners:
-            runner.init_kv_cache(cache, 0, num_blocks=num_blocks)
+            runner.init_kv_cache(num_blocks)
         return num_blocks
 
-    def _derive_max_model_len(self, requested: int | None) -> int:
-        cfg = self.hf_config
-        limit = getattr(cfg, "max_position_embeddings", None) or getattr(
-            cfg, "max_sequence_length", None) or 2048
+    @staticmethod
+    def _derive_max_model_len(requested: int | None, limit: int) -> int:
         if requested is None:
             return int(limit)
         if requested > limit:

@@ -57,7 +57,6 @@ class Sequence:
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    detok_offset: int = 0  # output tokens whose text is final
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -79,11 +78,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True until every known token (prompt, or prompt+output after preemption) has KV."""
-        return self.num_computed_tokens < self.num_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -48,7 +48,6 @@ class DraftModelProposer(Proposer):
             shadow = dataclasses.replace(seq, token_ids=seq.token_ids, block_table=[],
                                          num_computed_tokens=0, num_hashed_blocks=0,
                                          generator=None)
-            shadow.token_ids = seq.token_ids
             self.shadows[seq.seq_id] = shadow
         return shadow
 

@@ -19,9 +19,9 @@ def bytes_per_block(geom: KVGeometry, block_size: int, dtype: torch.dtype) -> in
 
 
 def num_blocks_for_budget(cache: CacheConfig, per_block: int, device: torch.device,
-                          max_useful_blocks: int, activation_bytes: int = 0) -> int:
+                          max_useful_blocks: int) -> int:
     """How many blocks the budget buys: an explicit override, a byte budget, or (CUDA) the
-    free share of gpu_memory_utilization after weights and a profiled activation peak."""
+    free share of gpu_memory_utilization after the weights are loaded."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if cache.kv_cache_memory_bytes is not None:
@@ -31,10 +31,9 @@ def num_blocks_for_budget(cache: CacheConfig, per_block: int, device: torch.devi
         torch.cuda.empty_cache()  # loading leaves cached blocks that are not really in use
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used - activation_bytes
-        logger.info("GPU memory: total %.2f GiB, in use %.2f GiB, activations %.2f GiB, "
-                    "KV budget %.2f GiB", total / 2**30, used / 2**30, activation_bytes / 2**30,
-                    budget / 2**30)
+        budget = int(total * cache.gpu_memory_utilization) - used
+        logger.info("GPU memory: total %.2f GiB, in use %.2f GiB, KV budget %.2f GiB",
+                    total / 2**30, used / 2**30, budget / 2**30)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     return max(0, min(budget // per_block, max_useful_blocks))

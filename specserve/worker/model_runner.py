@@ -12,14 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import CacheConfig
 from specserve.model.base import CausalLM
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
-from specserve.worker.kv_cache import (
-    allocate_kv_cache,
-    bytes_per_block,
-    num_blocks_for_budget,
-)
+from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +40,10 @@ class ModelRunner:
         self.num_blocks = 0
 
     # ---- KV cache --------------------------------------------------------------------------
-    def init_kv_cache(self, cache: CacheConfig, max_useful_tokens: int,
-                      num_blocks: int | None = None) -> int:
+    def init_kv_cache(self, num_blocks: int) -> int:
+        """Allocate num_blocks blocks (the engine sizes target and draft caches together)."""
         geom = self.model.kv_geometry()
         per_block = bytes_per_block(geom, self.block_size, self.dtype)
-        if num_blocks is None:
-            max_useful = (max_useful_tokens + self.block_size - 1) // self.block_size
-            num_blocks = num_blocks_for_budget(cache, per_block, self.device, max_useful)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; lower the model size, raise "
                              "gpu_memory_utilization or kv_cache_memory_bytes.")
