@@ -21,6 +21,17 @@ def _build(tmp_path_factory: pytest.TempPathFactory, name: str, arch: str, **kwa
     return build_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny tensors: intra-op threads only add overhead (a lot on a busy 2-core box)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Llama, 2 layers, hidden 64, 4 heads / 2 KV heads, untied lm_head, seed 0."""

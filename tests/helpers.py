@@ -32,6 +32,20 @@ def tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def cpu_runner(path: Path, block_size: int, num_blocks: int):
+    """A float32 CPU ModelRunner over a checkpoint, with its KV cache allocated."""
+    from specserve.model.loader import iter_weights, load_hf_config, resolve_model
+    from specserve.model.registry import build_model
+    from specserve.worker.model_runner import ModelRunner
+
+    source = resolve_model(str(path))
+    model = build_model(load_hf_config(source), iter_weights(source), torch.float32,
+                        torch.device("cpu"))
+    runner = ModelRunner(model, torch.device("cpu"), torch.float32, block_size)
+    runner.init_kv_cache(num_blocks)
+    return runner
+
+
 def tiny_llm(path: Path, **kwargs) -> LLM:
     kwargs.setdefault("device", "cpu")
     return LLM(model=str(path), **kwargs)

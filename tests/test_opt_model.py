@@ -8,7 +8,6 @@ import torch
 from transformers import OPTConfig
 from transformers import OPTForCausalLM as HFOPT
 
-from specserve.config import CacheConfig
 from specserve.model.opt import OPTForCausalLM
 from specserve.model.registry import build_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
@@ -33,7 +32,7 @@ def _runner(hf: HFOPT, weights) -> ModelRunner:
     model = build_model(hf.config, weights, torch.float32, torch.device("cpu"))
     assert isinstance(model, OPTForCausalLM)
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, block_size=BLOCK)
-    runner.init_kv_cache(CacheConfig(), 10000, num_blocks=64)
+    runner.init_kv_cache(64)
     return runner
 
 

@@ -42,13 +42,7 @@ MIN_EXPECTED = 5.0  # chi-square cells with a smaller expected count are pooled
 Sampler = Callable[..., AcceptanceResult]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

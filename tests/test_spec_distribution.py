@@ -45,13 +45,7 @@ MIN_EXPECTED = 5.0  # chi-square cells with a smaller expected count are pooled
 TOP_P_MARGIN = 1e-6  # kept/removed decisions must clear the boundary by more than fp32 error
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """A 64-wide model: intra-op threads only add overhead (a lot on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _small_vocab_copy(src: Path, dst: Path) -> Path:

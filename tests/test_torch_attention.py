@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_model
+from helpers import cpu_runner, hf_model
 
-from specserve.config import CacheConfig
 from specserve.model.layers.attention import torch_context_mirror
-from specserve.model.loader import iter_weights, load_hf_config, resolve_model
-from specserve.model.registry import build_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 BLOCK = 4  # small blocks: contexts cross many block and capacity boundaries
@@ -24,12 +21,7 @@ ATOL = 1e-4
 
 
 def _runner(path) -> ModelRunner:
-    source = resolve_model(str(path))
-    model = build_model(load_hf_config(source), iter_weights(source), torch.float32,
-                        torch.device("cpu"))
-    runner = ModelRunner(model, torch.device("cpu"), torch.float32, BLOCK)
-    runner.init_kv_cache(CacheConfig(), 0, num_blocks=400)
-    return runner
+    return cpu_runner(path, BLOCK, 400)
 
 
 class _Seq:
