@@ -166,6 +166,33 @@ def test_logprobs(client):
     assert all(e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob for e in content)
 
 
+LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def test_echo_logprobs_streamed_equal_non_streamed(client):
+    kwargs = dict(model=model_id(client), prompt="def fibonacci(n):", max_tokens=6,
+                  temperature=0, echo=True, logprobs=2, extra_body=GREEDY_EXTRA)
+    full = client.completions.create(**kwargs)
+    lp = full.choices[0].logprobs
+    num_prompt = full.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts it
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    first = chunks[0].choices[0]
+    assert first.text.startswith("def fibonacci(n):")
+    assert len(first.logprobs.tokens) > num_prompt  # the prompt's logprobs lead the first chunk
+    streamed = {name: [] for name in LOGPROB_FIELDS}
+    for chunk in chunks:
+        for name in LOGPROB_FIELDS:
+            streamed[name].extend(getattr(chunk.choices[0].logprobs, name))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    for got, want in zip(streamed["top_logprobs"], lp.top_logprobs, strict=True):
+        assert (got is None and want is None) or got == pytest.approx(want, abs=1e-5)
+
+
 def test_stop_string_spanning_tokens(client):
     model = model_id(client)
     prompt = "The weather today is sunny"

@@ -44,8 +44,10 @@ class LogprobsBuilder:
         self.offset = offset
 
     def build(self, token_ids: list[int], entries: list[dict[int, Logprob] | None],
-              token_texts: dict[int, str] | None = None) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+              token_texts: dict[int, str] | None = None,
+              out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """Entries for token_ids, appended to out (a new object when None) and returned."""
+        out = CompletionLogprobs() if out is None else out
         for tid, entry in zip(token_ids, entries, strict=False):
             if entry is None:  # the prompt's first token: nothing predicts it
                 text, lp, top = (token_texts or {}).get(tid, ""), None, None
@@ -115,11 +117,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     builder = LogprobsBuilder()
                     logprobs = CompletionLogprobs()
                     if req.echo:
-                        logprobs = builder.build(out.prompt_token_ids, out.prompt_logprobs or [],
-                                                 first_texts)
-                    tail = builder.build(list(c.token_ids), c.logprobs or [])
-                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        getattr(logprobs, name).extend(getattr(tail, name))
+                        builder.build(out.prompt_token_ids, out.prompt_logprobs or [],
+                                      first_texts, out=logprobs)
+                    builder.build(list(c.token_ids), c.logprobs or [], out=logprobs)
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -150,7 +150,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if params.logprobs is not None:
                         builder = builders.setdefault(index, LogprobsBuilder())
-                        logprobs = builder.build(delta.token_ids, delta.logprobs or [])
+                        logprobs = CompletionLogprobs()
+                        if prefix:  # the echoed prompt's logprobs lead, as in vLLM
+                            builder.build(out.prompt_token_ids, out.prompt_logprobs or [],
+                                          await self._first_token_texts([out]), out=logprobs)
+                        builder.build(delta.token_ids, delta.logprobs or [], out=logprobs)
                     chunk = CompletionResponse(id=request_id, model=model, choices=[
                         CompletionChoice(index=index, text=prefix + delta.text,
                                          logprobs=logprobs, finish_reason=delta.finish_reason,
