@@ -28,6 +28,7 @@ from specserve.sampling_params import SamplingParams, SamplingType
 from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
 from specserve.spec_decode.verifier import Verifier
+from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
@@ -88,6 +89,11 @@ class LLMEngine:
         k = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
                                    num_lookahead_slots=k)
+        if not args.enforce_eager:  # no-ops off CUDA; graphs are captured per bucket on first use
+            graph_batch = min(sched.max_num_seqs, DEFAULT_MAX_GRAPH_BATCH)
+            self.runner.enable_cuda_graphs(graph_batch, k + 1, self.max_model_len)
+            if draft_runner is not None:  # proposal steps: 1 token, or 2 to catch up
+                draft_runner.enable_cuda_graphs(graph_batch, 2, spec_max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.detokenizer,
                                                 self._eos_token_ids(), self.max_model_len)

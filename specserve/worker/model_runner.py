@@ -14,6 +14,7 @@ import torch
 
 from specserve.model.base import CausalLM
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
+from specserve.worker.cuda_graphs import CudaGraphRunner
 from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = get_attention_backend(device)
         self.num_blocks = 0
+        self.graphs: CudaGraphRunner | None = None  # set by enable_cuda_graphs
 
     # ---- KV cache --------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> int:
@@ -54,9 +56,30 @@ class ModelRunner:
         for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
             layer.bind(k, v, self.backend)
         self.num_blocks = num_blocks
+        self.graphs = None  # captured against the old cache and backend
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in %.2fs", num_blocks,
                     self.block_size, num_blocks * per_block / 2**20, time.perf_counter() - t0)
         return num_blocks
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def enable_cuda_graphs(self, max_batch: int, max_query_len: int, max_model_len: int,
+                           capture: bool | None = None) -> bool:
+        """Serve batches of up to max_batch sequences x max_query_len tokens from padded
+        static buffers, captured as CUDA graphs (lazily, per bucket). A no-op returning False
+        unless the device is CUDA (or capture=False, the eager padded path tests use) and the
+        attention backend can run inside a graph. Call after init_kv_cache."""
+        assert self.num_blocks > 0, "allocate the KV cache before enabling CUDA graphs"
+        if capture is None and self.device.type != "cuda":
+            return False
+        if not self.backend.supports_cuda_graphs:
+            logger.info("attention backend %s cannot run in CUDA graphs: running eagerly",
+                        self.backend.name)
+            return False
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.device, self.block_size,
+                                      max_batch, max_query_len, max_model_len, capture)
+        logger.info("CUDA graphs on: batch ladder %s x 1..%d query tokens", self.graphs.ladder,
+                    max_query_len)
+        return True
 
     # ---- one forward -------------------------------------------------------------------------
     def _prepare(self, runs: list[SequenceRun]):
@@ -108,9 +131,25 @@ class ModelRunner:
     def execute(self, runs: list[SequenceRun]) -> torch.Tensor:
         """Run the model over all runs; return float32 logits [num_logit_rows, vocab] in the
         order of runs and their logit_offsets."""
-        input_ids, positions, meta, logit_rows = self._prepare(runs)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        key = self.graphs.key_for(runs) if self.graphs is not None else None
+        if key is None:
+            input_ids, positions, meta, logit_rows = self._prepare(runs)
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        else:
+            hidden = self.graphs.run(key, runs)  # [T, hidden], a view of the graph's output
+            logit_rows = self._logit_rows(runs)
         if logit_rows is not None:
             hidden = hidden[logit_rows]  # [R, hidden]
         return self.model.compute_logits(hidden).float()  # [R, vocab]
+
+    def _logit_rows(self, runs: list[SequenceRun]) -> torch.Tensor | None:
+        """Rows of the packed tokens whose logits are wanted; None when it is every row."""
+        rows: list[int] = []
+        base = 0
+        for run in runs:
+            rows.extend(base + o for o in run.logit_offsets)
+            base += len(run.token_ids)
+        if rows == list(range(base)):
+            return None
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -13,6 +13,10 @@ class AttentionBackend(ABC):
     """One implementation per device family (torch reference, Triton on CUDA, ...)."""
 
     name: str = "abstract"
+    #: True when ``forward``/``write_kv`` read nothing on the host, fix their launch shapes from
+    #: the metadata's host fields alone, skip PAD_SLOT (-1) slots and sequences with query
+    #: length 0: then a padded batch can be replayed from a CUDA graph (worker/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -77,6 +77,7 @@ def _pow2(x: int) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_splits: int | None = None, num_sms: int | None = None,
                  sdpa_prefill: bool = True,

@@ -1,0 +1,247 @@
+"""CUDA graphs for decode and verify steps: one captured target forward per (batch, query) bucket.
+
+Why: a decode step of an 8B model is ~2000 small kernel launches; launched one by one from
+Python the GPU idles between them (issue 2 measured 62 ms of host time for 7 ms of kernels).
+A captured graph replays the whole forward with one launch.
+
+How it stays exact and host-independent:
+
+* A bucket is ``(batch_size, query_len)``: up to ``batch_size`` sequences of at most
+  ``query_len`` tokens each (1 for decode, ``k + 1`` to verify ``k`` proposals). Batch sizes
+  come from a ladder (1, 2, 4, ..., max); a batch is padded up to the next rung.
+* Inputs live in two static device buffers (int64: token ids, positions, KV slots; int32:
+  context lengths, query start offsets, block tables), refilled with ONE host->device copy each
+  per step. Real tokens are packed first, then padding: padded tokens have slot ``PAD_SLOT``
+  (the KV write skips them) and belong to no sequence; padded sequences have query length 0 and
+  context length 0, so the attention kernels skip them. Every op outside attention is row-wise,
+  so whatever padded rows compute never reaches a real row.
+* The attention backend must read nothing on the host inside ``forward`` and must fix its
+  launch shape from the bucket alone (``AttentionBackend.supports_cuda_graphs``): the bucket's
+  metadata claims ``max_seq_len = max_model_len``, so the Triton backend picks its flash-decoding
+  split count for the longest possible context; the kernels take every actual range from the
+  device ``seq_lens`` (splits past the context are empty and cost almost nothing).
+* Graphs are captured lazily, the first time a bucket is used, into one shared memory pool
+  (graphs never run concurrently). Only the model's hidden states are captured: the logits of
+  the rows that are sampled are computed after the replay, as in the eager path.
+
+``capture=False`` runs the very same padded static-buffer path eagerly: that is how the bucket
+and padding logic is tested on CPU (with the Triton kernels under the interpreter), and what a
+graph replay must match bit for bit on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.model.layers.attention import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+PAD_SLOT = -1  # KV slot of a padded token: the cache write skips it
+DEFAULT_MAX_GRAPH_BATCH = 256
+WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, cuBLAS picks its kernels
+
+
+class Run(Protocol):
+    """What the graph runner needs of a scheduled sequence (model_runner.SequenceRun)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    batch_size: int  # sequences the graph serves (a rung of the ladder)
+    query_len: int  # tokens per sequence it is sized for
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.query_len
+
+
+def batch_ladder(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to max_batch (which is always the last rung, power of two or not)."""
+    assert max_batch >= 1
+    rungs = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return (*rungs, max_batch)
+
+
+def pick_key(num_seqs: int, max_query_len: int, ladder: Sequence[int],
+             max_graph_query_len: int) -> GraphKey | None:
+    """The smallest bucket that holds the batch, or None (run it eagerly)."""
+    if num_seqs < 1 or not 1 <= max_query_len <= max_graph_query_len or num_seqs > ladder[-1]:
+        return None
+    batch = next(b for b in ladder if b >= num_seqs)
+    return GraphKey(batch, max_query_len)
+
+
+@dataclass
+class PaddedInputs:
+    """One step's inputs laid out for a bucket, on the host (filled into the static buffers)."""
+
+    longs: torch.Tensor  # [3 * T] int64: token ids | positions | slots (PAD_SLOT past real)
+    ints: torch.Tensor  # [2 * B + 1 + n * W] int32: seq_lens | query_start_loc | n table rows
+    num_tokens: int  # real tokens (packed first)
+
+
+def pad_inputs(key: GraphKey, runs: Sequence[Run], block_size: int,
+               table_width: int) -> PaddedInputs:
+    """Pack the runs' tokens first, then padding; padded sequences get q_len 0, seq_len 0.
+
+    Only the real sequences' block-table rows are sent: a padded sequence is never read."""
+    num_seqs, tokens_cap, batch = len(runs), key.num_tokens, key.batch_size
+    assert num_seqs <= batch
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    starts = [0]
+    table = torch.zeros(num_seqs, table_width, dtype=torch.int32)  # [n, W]
+    for i, run in enumerate(runs):
+        n = len(run.token_ids)
+        assert 1 <= n <= key.query_len, (n, key)
+        bt = run.block_table
+        assert len(bt) <= table_width, (len(bt), table_width)
+        ids.extend(run.token_ids)
+        pos = range(run.start, run.start + n)
+        positions.extend(pos)
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
+        seq_lens.append(run.start + n)
+        starts.append(starts[-1] + n)
+        if bt:
+            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+    real = len(ids)
+    pad_t = tokens_cap - real
+    pad_s = batch - num_seqs
+    longs = torch.tensor(ids + [0] * pad_t + positions + [0] * pad_t + slots + [PAD_SLOT] * pad_t,
+                         dtype=torch.int64)
+    head = torch.tensor(seq_lens + [0] * pad_s + starts + [real] * pad_s, dtype=torch.int32)
+    return PaddedInputs(longs, torch.cat([head, table.view(-1)]), real)
+
+
+class _StaticBuffers:
+    """The device buffers every graph reads; each bucket views a prefix of them."""
+
+    def __init__(self, max_batch: int, max_query_len: int, table_width: int,
+                 device: torch.device) -> None:
+        max_tokens = max_batch * max_query_len
+        self.table_width = table_width
+        self.longs = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(2 * max_batch + 1 + max_batch * table_width, dtype=torch.int32,
+                                device=device)
+
+    def views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
+        """(input_ids [T], positions [T], slots [T], seq_lens [B], query_start_loc [B + 1],
+        block_tables [B, W]) for the bucket."""
+        t, b, w = key.num_tokens, key.batch_size, self.table_width
+        longs, ints = self.longs, self.ints
+        return (longs[:t], longs[t : 2 * t], longs[2 * t : 3 * t], ints[:b],
+                ints[b : 2 * b + 1], ints[2 * b + 1 : 2 * b + 1 + b * w].view(b, w))
+
+    def fill(self, inputs: PaddedInputs) -> None:
+        device = self.longs.device
+        pin = device.type == "cuda"
+        for dst, src in ((self.longs, inputs.longs), (self.ints, inputs.ints)):
+            src = src.pin_memory() if pin else src
+            dst[: src.numel()].copy_(src, non_blocking=pin)
+
+
+class CudaGraphRunner:
+    """Padded static-buffer forwards over a bucket ladder, captured as CUDA graphs."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
+                 block_size: int, max_batch: int, max_query_len: int, max_model_len: int,
+                 capture: bool | None = None) -> None:
+        assert backend.supports_cuda_graphs, f"backend {backend.name} cannot run in a graph"
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.ladder = batch_ladder(max_batch)
+        self.max_query_len = max_query_len
+        self.max_model_len = max_model_len
+        self.capture = device.type == "cuda" if capture is None else capture
+        # A verify run may reach past max_model_len by its lookahead: size tables for that.
+        self.table_width = math.ceil((max_model_len + max_query_len) / block_size)
+        self.buffers = _StaticBuffers(self.ladder[-1], max_query_len, self.table_width, device)
+        self.metas: dict[GraphKey, AttentionMetadata] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.capture_seconds = 0.0
+
+    # ---- buckets -----------------------------------------------------------------------------
+    def key_for(self, runs: Sequence[Run]) -> GraphKey | None:
+        if not runs or any(len(r.block_table) > self.table_width for r in runs):
+            return None
+        return pick_key(len(runs), max(len(r.token_ids) for r in runs), self.ladder,
+                        self.max_query_len)
+
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
+        meta = self.metas.get(key)
+        if meta is None:
+            _, _, slots, seq_lens, starts, tables = self.buffers.views(key)
+            b, q = key.batch_size, key.query_len
+            # Host fields describe the bucket, not a batch: the backend plans launch shapes
+            # for b sequences of q tokens and the longest context allowed.
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                query_start_loc=starts, query_lens=[q] * b,
+                seq_lens_host=[self.max_model_len + q] * b, max_query_len=q,
+                max_seq_len=self.max_model_len + q, block_size=self.block_size)
+            self.metas[key] = meta
+        return meta
+
+    # ---- running -----------------------------------------------------------------------------
+    def run(self, key: GraphKey, runs: Sequence[Run]) -> torch.Tensor:
+        """Final hidden states [num_real_tokens, hidden] of the runs' tokens, in order."""
+        inputs = pad_inputs(key, runs, self.block_size, self.table_width)
+        if not self.capture:
+            self.buffers.fill(inputs)
+            return self._forward(key)[: inputs.num_tokens]
+        if key not in self.graphs:
+            self._capture(key)
+        self.buffers.fill(inputs)
+        self.graphs[key].replay()
+        return self.outputs[key][: inputs.num_tokens]
+
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        ids, positions = self.buffers.views(key)[:2]
+        meta = self._meta(key)
+        if not meta.backend_state:
+            self.backend.prepare(meta)  # plans once per bucket; the graph bakes the plan in
+        return self.model(ids, positions, meta)  # [T, hidden]
+
+    def _capture(self, key: GraphKey) -> None:
+        """Warm up eagerly on an empty batch (every kernel skips: no KV is touched), capture."""
+        t0 = time.perf_counter()
+        self.buffers.fill(pad_inputs(key, [], self.block_size, self.table_width))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self._forward(key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[key] = self._forward(key)
+        self.graphs[key] = graph
+        dt = time.perf_counter() - t0
+        self.capture_seconds += dt
+        logger.info("captured CUDA graph for batch %d x %d tokens in %.2fs", key.batch_size,
+                    key.query_len, dt)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so the shared pool is sized once)."""
+        keys = [GraphKey(b, q) for b in self.ladder for q in range(1, self.max_query_len + 1)]
+        for key in sorted(keys, reverse=True):
+            if self.capture and key not in self.graphs:
+                self._capture(key)

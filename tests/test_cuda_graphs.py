@@ -1,0 +1,176 @@
+"""CUDA-graph buckets and padding (worker/cuda_graphs.py), tested on CPU.
+
+The padded static-buffer path is exactly what a graph captures; with ``capture=False`` it runs
+eagerly, so on CPU (Triton kernels under the interpreter, as in test_triton_attention.py) it
+must give the eager path's logits, write no KV for padded tokens, and leave generation
+unchanged, with and without speculation. Graph replay itself is checked on a GPU by
+tests/gpu/check_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+IN_PROCESS = os.environ.get("TRITON_INTERPRET") == "1"
+
+from specserve.worker.cuda_graphs import (  # noqa: E402
+    PAD_SLOT,
+    GraphKey,
+    batch_ladder,
+    pad_inputs,
+    pick_key,
+)
+from specserve.worker.model_runner import SequenceRun  # noqa: E402
+
+BLOCK = 4
+needs_interpreter = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET=1 could be set; "
+    "test_in_fresh_interpreter_process runs these instead")
+
+
+# ---- buckets and padding (pure host logic) -------------------------------------------------------
+
+def test_batch_ladder():
+    assert batch_ladder(1) == (1,)
+    assert batch_ladder(8) == (1, 2, 4, 8)
+    assert batch_ladder(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert batch_ladder(48) == (1, 2, 4, 8, 16, 32, 48)
+
+
+def test_pick_key():
+    ladder = batch_ladder(16)
+    assert pick_key(1, 1, ladder, 5) == GraphKey(1, 1)
+    assert pick_key(3, 1, ladder, 5) == GraphKey(4, 1)
+    assert pick_key(9, 5, ladder, 5) == GraphKey(16, 5)
+    assert pick_key(16, 2, ladder, 5) == GraphKey(16, 2)
+    assert pick_key(17, 1, ladder, 5) is None  # above the ladder: eager
+    assert pick_key(2, 6, ladder, 5) is None  # longer runs (prefill chunks): eager
+    assert pick_key(0, 1, ladder, 5) is None
+
+
+def test_pad_inputs_layout():
+    key = GraphKey(4, 3)
+    runs = [SequenceRun([11], 5, [7, 2], [0]),  # decode at position 5 (block 2, offset 1)
+            SequenceRun([21, 22, 23], 2, [3, 6], [0, 1, 2])]  # verify at positions 2..4
+    width = 3
+    p = pad_inputs(key, runs, BLOCK, width)
+    t, b = key.num_tokens, key.batch_size
+    ids, pos, slots = p.longs[:t], p.longs[t:2 * t], p.longs[2 * t:]
+    assert p.num_tokens == 4
+    assert ids.tolist() == [11, 21, 22, 23] + [0] * 8
+    assert pos.tolist() == [5, 2, 3, 4] + [0] * 8
+    assert slots.tolist()[:4] == [2 * BLOCK + 1, 3 * BLOCK + 2, 3 * BLOCK + 3, 6 * BLOCK]
+    assert slots.tolist()[4:] == [PAD_SLOT] * 8
+    ints = p.ints.tolist()
+    assert ints[:b] == [6, 5, 0, 0]  # seq_lens; padded sequences have none
+    assert ints[b:2 * b + 1] == [0, 1, 4, 4, 4]  # query starts; padded runs are empty
+    assert ints[2 * b + 1:] == [7, 2, 0, 3, 6, 0]  # only the real rows' tables, 0-padded
+    assert p.longs.dtype == torch.int64 and p.ints.dtype == torch.int32
+
+
+def test_pad_inputs_slots_of_verify_run():
+    p = pad_inputs(GraphKey(1, 3), [SequenceRun([1, 2, 3], 3, [5, 9], [0, 1, 2])], BLOCK, 2)
+    assert p.longs[6:9].tolist() == [5 * BLOCK + 3, 9 * BLOCK, 9 * BLOCK + 1]
+
+
+def test_empty_batch_pads_everything():
+    p = pad_inputs(GraphKey(2, 2), [], BLOCK, 3)
+    assert p.longs[8:].tolist() == [PAD_SLOT] * 4
+    assert p.ints.tolist() == [0, 0, 0, 0, 0]
+
+
+# ---- the padded path through a real model (Triton kernels under the interpreter) -----------------
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "triton")
+
+
+def _prefill(runner, prompts: list[list[int]], tables: list[list[int]]) -> None:
+    runner.execute([SequenceRun(p, 0, t, [len(p) - 1]) for p, t in zip(prompts, tables,
+                                                                          strict=True)])
+
+
+@needs_interpreter
+def test_padded_path_matches_eager(tiny_llama, triton_backend, single_thread):
+    from helpers import cpu_runner
+
+    runner = cpu_runner(tiny_llama, BLOCK, 32)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    tables = [[3, 4, 5], [8, 9], [12, 13, 14, 15]]
+    _prefill(runner, prompts, tables)
+    sentinel = 7.0
+    caches = [(layer.k_cache, layer.v_cache) for layer in runner.model.attention_layers()]
+    spare = [0, 1, 2, 31]  # blocks no table uses: a padded token must never write there
+    for k, v in caches:
+        k[spare] = sentinel
+        v[spare] = sentinel
+    # decode for seq 0 (1 token), verify 3 tokens for seq 1 and 2 tokens for seq 2
+    runs = [SequenceRun([1], 6, tables[0], [0]),
+            SequenceRun([2, 3, 4], 3, tables[1], [0, 1, 2]),
+            SequenceRun([5, 6], 9, tables[2], [1])]
+    eager = runner.execute(runs)
+    assert runner.enable_cuda_graphs(max_batch=4, max_query_len=3, max_model_len=64,
+                                     capture=False)
+    key = runner.graphs.key_for(runs)
+    assert key == GraphKey(4, 3)
+    padded = runner.execute(runs)
+    assert padded.shape == eager.shape == (5, runner.model.vocab_size)
+    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+    for k, v in caches:
+        assert (k[spare] == sentinel).all() and (v[spare] == sentinel).all()
+    # batches outside the ladder still run (eagerly) and agree
+    long_run = [SequenceRun([7, 8, 9, 10], 11, tables[2], [3])]
+    assert runner.graphs.key_for(long_run) is None
+    runner.execute(long_run)
+
+
+@needs_interpreter
+def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, triton_backend,
+                                               single_thread, monkeypatch):
+    """Engine-level: the graph path (capture off, so it runs on CPU) serves decode, verify and
+    draft steps; greedy output equals the eager engine's, with and without a draft model."""
+    from helpers import tiny_llm
+
+    from specserve import SamplingParams
+    from specserve.worker.model_runner import ModelRunner
+
+    used: list[int] = []
+    enable = ModelRunner.enable_cuda_graphs
+
+    def force_padded_path(self, *args, **kwargs):
+        used.append(1)
+        return enable(self, *args, capture=False)
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate(**kwargs):
+        llm = tiny_llm(tiny_llama, max_model_len=128, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    reference = generate(enforce_eager=True)
+    monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
+    assert generate() == reference
+    assert generate(speculative_model=str(tiny_llama_draft), num_speculative_tokens=3) == reference
+    assert len(used) == 3  # plain target; target + draft
+
+
+def test_in_fresh_interpreter_process():
+    if IN_PROCESS:
+        pytest.skip("the interpreter is on in this process: the tests above ran here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             __file__], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
