@@ -1,4 +1,5 @@
-"""The ``specserve`` command: ``specserve generate --prompt "..."``, ``specserve serve [MODEL]``.
+"""The ``specserve`` command: ``specserve generate --prompt "..."``, ``specserve serve [MODEL]``,
+``specserve bench serve [flags]``.
 
 Each subcommand registers itself with ``_add_<name>(subparsers)`` and sets ``handler``; ``main``
 parses, dispatches, and turns the user's mistakes (``ValueError`` from the configs and
@@ -9,9 +10,11 @@ exit status 2, the same status argparse uses for bad flags, without a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from specserve.entrypoints.args import add_engine_args, add_flag, engine_kwargs_from_args
@@ -30,12 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specserve`` script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "forward_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.forwarded = unknown
     handler: Handler = args.handler
     try:
         return handler(args)
@@ -144,6 +152,35 @@ def _serve(args: argparse.Namespace) -> int:
                              "give one.")
         args.model = args.model_tag
     return run_server(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# specserve bench serve
+
+# The benchmark scripts live beside the package in a source checkout, not inside it.
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", allow_abbrev=False, help="benchmarks (from a source checkout)",
+        description="Run a benchmark script from the checkout's benchmarks/ directory.")
+    benches = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    serve = benches.add_parser(
+        "serve", add_help=False, help="Poisson load against the server, with and without "
+        "speculation (benchmarks/bench_serve.py; `specserve bench serve --help` for its flags)")
+    serve.set_defaults(handler=_bench_serve, forward_unknown=True)  # its flags are the script's
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    script = BENCHMARKS_DIR / "bench_serve.py"
+    if not script.is_file():
+        raise ValueError(f"`specserve bench serve` runs {script}, which only a source checkout "
+                         "of specserve has; run it from a checkout (pip install -e .).")
+    if str(BENCHMARKS_DIR) not in sys.path:  # as `python benchmarks/bench_serve.py` would
+        sys.path.insert(0, str(BENCHMARKS_DIR))
+    module = importlib.import_module("bench_serve")
+    return module.main(args.forwarded)
 
 
 if __name__ == "__main__":
