@@ -3,8 +3,8 @@
 The padded static-buffer path is exactly what a graph captures; with ``capture=False`` it runs
 eagerly, so on CPU (Triton kernels under the interpreter, as in test_triton_attention.py) it
 must give the eager path's logits, write no KV for padded tokens, and leave generation
-unchanged, with and without speculation. Graph replay itself is checked on a GPU by
-tests/gpu/check_cuda_graphs.py.
+unchanged, with and without speculation. Graph replay itself is checked on a GPU by section 0
+of benchmarks/bench_gpu_spec.py (replay == padded eager bit for bit; generation == eager).
 """
 
 from __future__ import annotations

@@ -83,7 +83,9 @@ class Verifier:
             posterior_alpha=self.posterior_alpha, random_rows=[
                 s.params.sampling_type is not SamplingType.GREEDY for s in seqs],
         )
-        tokens = result.output_token_ids.tolist()  # the step's one device->host sync
-        emitted_counts = result.num_emitted.tolist()
-        emitted = [row[:n] for row, n in zip(tokens, emitted_counts, strict=True)]
+        # The step's one device->host sync: tokens and counts travel together.
+        packed = torch.cat([result.output_token_ids, result.num_emitted[:, None]], dim=1)
+        rows = packed.tolist()  # [S, K+2]
+        emitted_counts = [row[-1] for row in rows]
+        emitted = [row[:n] for row, n in zip(rows, emitted_counts, strict=True)]
         return VerifyResult(emitted, [n - 1 for n in emitted_counts])

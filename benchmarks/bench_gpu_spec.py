@@ -1,0 +1,633 @@
+"""The H200 benchmark of the GPU fast path (issue 6): one script, one device call.
+
+  python benchmarks/bench_gpu_spec.py --out $OUT          # on a GPU (about 6-8 minutes)
+  python benchmarks/bench_gpu_spec.py --smoke             # CPU, tiny shapes: shakes out bugs
+
+Random-weight checkpoints of real shapes are built on the device (weights cannot travel): a
+Llama-3-8B config in bf16 as target and a Llama-3.2-1B-shaped draft with the same vocabulary.
+They are built as transformers models and handed to the engine in memory (the loader's weight
+iterator is pointed at their state dicts; config and tokenizer files are written to disk), so
+transformers and specserve run the very same weights in one process.
+
+Measured once: the copy bandwidth (bytes read + written by a large device copy) and the bf16
+matmul rate (8192^3). Then:
+
+  0. correctness: tiny fp32 Llama, specserve with CUDA graphs vs enforce_eager vs transformers
+     greedy (must match exactly, with and without a draft); 8B: graph replay vs the same padded
+     batch run eagerly (bit-exact), vs the unpadded eager path; greedy agreement with eager.
+  1. decode at batch 1 (128-token prompt, 256 new tokens): tok/s, bytes per token / copy
+     bandwidth = % of roofline (end to end, and for the GPU time of one graph replay); vs
+     transformers generate eager (and static cache + torch.compile, attempted last).
+  2. throughput at batch 1, 8, 32, 128, 256 (128-token prompts, 128 new tokens).
+  3. verify cost: one target step with k + 1 query tokens per sequence over a plain decode
+     step, k = 1..8, batch 1, 8, 32, context 512.
+  4. speculative speedup at controlled acceptance (spec_decode/benchmark_proposer.py: the 1B
+     draft runs for real, its tokens are replaced by the target's recorded greedy tokens,
+     corrupted with probability 1 - a): batch 1 at k = 4 (fixed) for a = 0.5, 0.7, 0.9 against
+     the ideal (1 - a^(k+1)) / ((1 - a)(1 + k c)), c = draft step / target step; batch 32
+     with adaptive speculation on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO / "tests", REPO):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+os.environ.setdefault("SPECSERVE_BENCHMARK_PROPOSER", "1")  # this script only
+
+from checkpoints import TEST_PROMPTS, build_tiny_checkpoint, build_tokenizer  # noqa: E402
+
+import specserve.worker.loading as loading  # noqa: E402
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.spec_decode.benchmark_proposer import ReplayProposer  # noqa: E402
+from specserve.worker.cuda_graphs import GraphKey  # noqa: E402
+from specserve.worker.model_runner import SequenceRun  # noqa: E402
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA32_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+SMOKE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=256)
+INIT_STD = 0.02
+PROMPT_LEN = 128
+K_SPEC = 4
+ACCEPTANCES = (0.5, 0.7, 0.9)
+LOG: list[str] = []
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cuda_time(fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn() by CUDA events (host clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def wall_time(fn, reps: int, warmup: int = 3) -> float:
+    """Median host seconds of fn() followed by a device sync (what the engine pays)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+def copy_bandwidth(device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), 20)
+    assert torch.equal(dst, src)
+    del src, dst
+    free()
+    return 2 * nbytes / t
+
+
+def matmul_rate(device, n: int) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = cuda_time(lambda: a @ b, 10)
+    del a, b
+    free()
+    return 2 * n**3 / t
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def build_hf(shape: dict, device, seed: int, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**shape, rope_parameters=dict(ROPE), dtype=dtype,
+                      initializer_range=INIT_STD, pad_token_id=None, bos_token_id=1,
+                      eos_token_id=2)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                p.fill_(1.0)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+IN_MEMORY: dict[str, torch.nn.Module] = {}
+_ITER_WEIGHTS = loading.iter_weights
+
+
+def _iter_weights(source):
+    model = IN_MEMORY.get(str(Path(source.path).resolve()))
+    if model is None:
+        yield from _ITER_WEIGHTS(source)
+        return
+    yield from model.state_dict().items()
+
+
+loading.iter_weights = _iter_weights  # the engine's loader reads registered models from memory
+
+
+def register(hf_model, path: Path) -> str:
+    """config.json + tokenizer on disk, a placeholder weights file, weights from memory."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    hf_model.config.save_pretrained(path)
+    build_tokenizer(path)
+    save_file({"placeholder": torch.zeros(1)}, str(path / "model.safetensors"))
+    IN_MEMORY[str(path.resolve())] = hf_model
+    return str(path)
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes a decode step reads: every weight but the embedding table, total params)."""
+    emb = model.get_input_embeddings().weight
+    seen, read, params = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += p.numel()
+        if p is not emb or getattr(model.config, "tie_word_embeddings", False):
+            read += p.numel() * p.element_size()
+    return read, params
+
+
+# ---- engine driving ---------------------------------------------------------------------------
+def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int, label: str):
+    """Greedy, EOS ignored; returns (decode tok/s after every first token, outputs, steps)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rids = [f"{label}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        engine.add_request(rid, None, params, prompt_token_ids=p)
+    got: dict[str, int] = dict.fromkeys(rids, 0)
+    done: dict[str, list[int]] = {}
+    t_first = None
+    decode_steps = 0
+    tokens_at_first = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for o in outs:
+            got[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        if t_first is None:
+            if all(c >= 1 for c in got.values()):
+                sync()
+                t_first = time.perf_counter()
+                tokens_at_first = sum(got.values())
+        else:
+            decode_steps += 1
+    sync()
+    elapsed = time.perf_counter() - t_first
+    total = sum(len(v) for v in done.values())
+    outs = [done[r] for r in rids]
+    assert all(len(o) == new_tokens for o in outs), [len(o) for o in outs]
+    return (total - tokens_at_first) / elapsed, outs, decode_steps
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def hf_decode_rate(model, prompt: list[int], new_tokens: int, device) -> tuple[float, list[int]]:
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=device)
+
+    def gen(n: int):
+        cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, generation_config=cfg,
+                                 attention_mask=torch.ones_like(ids))
+        sync()
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+    gen(2)
+    t1 = min(gen(1)[0] for _ in range(2))
+    tn, tokens = gen(new_tokens)
+    return (new_tokens - 1) / (tn - t1), tokens
+
+
+# ---- section 0: correctness -------------------------------------------------------------------
+def tiny_checks(device, workdir: Path) -> list[str]:
+    """fp32 tiny Llama: graphs vs eager vs transformers, greedy, with and without a draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = build_tiny_checkpoint(workdir / "tiny", "llama", hidden_size=128)
+    draft = build_tiny_checkpoint(workdir / "tiny_draft", "llama", hidden_size=128, seed=1,
+                                  num_layers=1)
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(p) for p in TEST_PROMPTS[:12]]
+    new = 32
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p], device=device), max_new_tokens=new,
+                              do_sample=False, pad_token_id=0,
+                              attention_mask=torch.ones(1, len(p), device=device,
+                                                        dtype=torch.long))
+        refs.append(out[0, len(p):].tolist())
+    del hf
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    lines = []
+    for label, kw in (("graphs", {}), ("enforce_eager", {"enforce_eager": True}),
+                      ("graphs + draft k=3", {"speculative_model": str(draft),
+                                              "num_speculative_tokens": 3}),
+                      ("eager + draft k=3", {"speculative_model": str(draft),
+                                             "num_speculative_tokens": 3,
+                                             "enforce_eager": True})):
+        llm = LLM(model=str(target), device=device.type, dtype="float32",
+                  kv_cache_memory_bytes=256 << 20, max_model_len=512, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        graphs = llm.llm_engine.runner.graphs
+        n_graphs = len(graphs.graphs) if graphs is not None else 0
+        exact = sum(g == r for g, r in zip(got, refs, strict=True))
+        lines.append(f"tiny fp32 {label:<20} vs transformers: {exact}/{len(prompts)} exact "
+                     f"({n_graphs} target graphs captured)")
+        del llm
+        free()
+    return lines
+
+
+def graph_vs_eager(llm: LLM, device) -> list[str]:
+    """8B: graph replay == the same padded batch run eagerly (bit-exact); vs unpadded eager."""
+    runner = llm.llm_engine.runner
+    if runner.graphs is None:
+        return ["no CUDA graphs on this device: replay check skipped"]
+    vocab = runner.model.vocab_size
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(3)
+    lines = []
+    for batch, q in ((1, 1), (3, 1), (5, 5), (32, 1)):
+        ctx = 200
+        runs = []
+        for i in range(batch):
+            nb = (ctx + q + bs - 1) // bs
+            table = list(range(1 + i * nb, 1 + (i + 1) * nb))
+            toks = torch.randint(0, vocab, (q,), generator=gen).tolist()
+            runs.append(SequenceRun(toks, ctx, table, list(range(q))))
+        graphs = runner.graphs
+        replay = runner.execute(runs).clone()
+        runner.graphs = None
+        eager = runner.execute(runs).clone()
+        runner.enable_cuda_graphs(graphs.ladder[-1], graphs.max_query_len,
+                                  graphs.max_model_len, capture=False)
+        padded = runner.execute(runs).clone()
+        runner.graphs = graphs
+        diff = (replay - eager).abs().max().item()
+        same_argmax = (replay.argmax(-1) == eager.argmax(-1)).float().mean().item()
+        lines.append(f"8B bf16 batch {batch:>2} x {q} tokens: replay == padded eager: "
+                     f"{torch.equal(replay, padded)}; vs unpadded eager max|dlogit| "
+                     f"{diff:.3g}, argmax agree {same_argmax:.0%}")
+    return lines
+
+
+# ---- sections 3, 4: step costs ------------------------------------------------------------------
+def synthetic_runs(runner, batch: int, q: int, ctx: int, first_block: int) -> list[SequenceRun]:
+    bs = runner.block_size
+    nb = (ctx + q + bs - 1) // bs
+    vocab = runner.model.vocab_size
+    return [SequenceRun([(7 * i + j) % vocab for j in range(q)], ctx,
+                        list(range(first_block + i * nb, first_block + (i + 1) * nb)),
+                        list(range(q))) for i in range(batch)]
+
+
+def step_time(runner, batch: int, q: int, ctx: int, reps: int) -> tuple[float, float]:
+    """(host-clock seconds of runner.execute incl. input building and logits, GPU seconds of
+    the graph replay alone, nan when eager)."""
+    runs = synthetic_runs(runner, batch, q, ctx, first_block=1)
+    wall = wall_time(lambda: runner.execute(runs), reps)
+    gpu = float("nan")
+    if runner.graphs is not None and runner.graphs.capture:
+        key = runner.graphs.key_for(runs)
+        graph = runner.graphs.graphs.get(key)
+        if graph is not None:
+            gpu = cuda_time(graph.replay, reps)
+    return wall, gpu
+
+
+def ideal_speedup(a: float, k: int, c: float) -> float:
+    if a >= 1.0:
+        return (k + 1) / (1 + k * c)
+    return (1 - a ** (k + 1)) / ((1 - a) * (1 + k * c))
+
+
+def profile_decode(llm: LLM, prompt: list[list[int]], out: Path | None) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    rate, _, steps = run_engine(llm, prompt, 64, "profile")
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    stats.print_stats(30)
+    buf.write("\n\n")
+    stats.stream = buf
+    stats.sort_stats("cumulative").print_stats(40)
+    text = buf.getvalue()
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_b1.txt").write_text(text)
+    print(f"profiled 64 tokens at batch 1 ({rate:.1f} tok/s under cProfile)")
+    print("\n".join(text.splitlines()[:45]))
+
+
+# ---- main -------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    ap.add_argument("--skip-compile", action="store_true",
+                    help="skip transformers static cache + torch.compile")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile 64 decode steps at batch 1 (host time per function)")
+    ap.add_argument("--compile-deadline", type=float, default=420.0,
+                    help="skip the compile attempt if this many seconds have passed")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    import transformers
+    import triton
+
+    say(f"torch {torch.__version__}, triton {triton.__version__}, transformers "
+        f"{transformers.__version__}, device "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}")
+    bw = copy_bandwidth(device, (64 if smoke else 4096) << 20)
+    mm = matmul_rate(device, 512 if smoke else 8192)
+    say(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; bf16 matmul: {mm / 1e12:.0f} TFLOP/s")
+    work = Path(tempfile.mkdtemp(prefix="bench_gpu_spec_"))
+    results: dict = {"bandwidth": bw, "matmul": mm}
+
+    say("\n== 0. correctness")
+    for line in tiny_checks(device, work):
+        say(line)
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    dname = "float32" if smoke else "bfloat16"
+    tshape = {**LLAMA3_8B, **(SMOKE if smoke else {})}
+    dshape = {**LLAMA32_1B, **(SMOKE if smoke else {})}
+    hf_target = build_hf(tshape, device, 0, dtype)
+    hf_draft = build_hf(dshape, device, 1, dtype)
+    target_dir = register(hf_target, work / "target")
+    draft_dir = register(hf_draft, work / "draft")
+    t_read, t_params = weight_bytes(hf_target)
+    d_read, _ = weight_bytes(hf_draft)
+    kv_per_token = 2 * tshape["num_hidden_layers"] * tshape["num_key_value_heads"] * (
+        tshape["hidden_size"] // tshape["num_attention_heads"]) * dtype.itemsize
+    gen = torch.Generator().manual_seed(0)
+    vocab = tshape["vocab_size"]
+
+    def prompts(n: int) -> list[list[int]]:
+        return [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
+
+    new1 = 32 if smoke else 256
+    p1 = prompts(1)
+    hf_tok_s, hf_tokens = hf_decode_rate(hf_target, p1[0], 16 if smoke else 64, device)
+
+    llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
+              max_num_seqs=256, kv_cache_memory_bytes=(1 if smoke else 24) << 30,
+              enable_prefix_caching=False)  # synthetic steps below overwrite KV blocks
+    runner = llm.llm_engine.runner
+    say(f"target: {t_params / 1e9:.2f} B params, {t_read / 1e9:.2f} GB read per step; "
+        f"draft: {d_read / 1e9:.2f} GB; graphs: {runner.graphs is not None}")
+
+    # -- 1. decode at batch 1
+    run_engine(llm, p1, 8, "warm")
+    tok_s, outs1, _ = run_engine(llm, p1, new1, "b1")
+    avg_ctx = PROMPT_LEN + new1 / 2
+    bytes_tok = t_read + avg_ctx * kv_per_token
+    roof = bw / bytes_tok
+    wall1, gpu1 = step_time(runner, 1, 1, int(avg_ctx), 30)
+    if args.profile:
+        profile_decode(llm, p1, args.out)
+    graphs_saved = runner.graphs
+    runner.graphs = None
+    eager_tok_s, outs_eager, _ = run_engine(llm, p1, 32, "eager")
+    runner.graphs = graphs_saved
+    say("\n== 0b. 8B graph replay vs eager")
+    for line in graph_vs_eager(llm, device):
+        say(line)
+    say(f"8B greedy, graphs vs enforce_eager path: {agreeing_prefix(outs1[0], outs_eager[0])}"
+        f"/32 tokens agree; vs transformers: "
+        f"{agreeing_prefix(outs1[0], hf_tokens)}/{len(hf_tokens)}")
+    results["decode_b1"] = dict(tok_s=tok_s, eager_tok_s=eager_tok_s, hf_tok_s=hf_tok_s,
+                                bytes_per_token=bytes_tok, roofline_tok_s=roof,
+                                step_wall_s=wall1, step_gpu_s=gpu1)
+
+    # -- 2. throughput
+    thr = []
+    for b in ((1, 8) if smoke else (1, 8, 32, 128, 256)):
+        ps = p1 if b == 1 else prompts(b)
+        rate, _, _ = run_engine(llm, ps, 16 if smoke else 128, f"thr{b}")
+        thr.append((b, rate))
+    # FLOPs per token: 2 per weight multiplied (all but the embedding) + attention (ctx 192)
+    flops_tok = 2 * t_read / dtype.itemsize + 4 * tshape["num_hidden_layers"] * tshape[
+        "hidden_size"] * (PROMPT_LEN + 64)
+    results["throughput"] = thr
+
+    # -- 3. verify cost
+    runner.enable_cuda_graphs(256, 9, 1024)
+    ver = {}
+    for b in ((1, 2) if smoke else (1, 8, 32)):
+        base = step_time(runner, b, 1, 512, 20)
+        ver[b] = [base] + [step_time(runner, b, k + 1, 512, 20) for k in range(1, 9)]
+    results["verify"] = {b: v for b, v in ver.items()}
+    captured = len(runner.graphs.graphs) if runner.graphs else 0
+    del llm, runner, graphs_saved
+    free()
+
+    # -- 4. speculation at controlled acceptance
+    llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
+              max_num_seqs=64, kv_cache_memory_bytes=(1 if smoke else 12) << 30,
+              speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
+              speculative_adaptive=True, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    driver = engine.speculation
+    adaptive = driver.adaptive
+    replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)
+    driver.proposer = replay
+    draft_runner = replay.runner
+    t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30)
+    t_draft, g_draft = step_time(draft_runner, 1, 1, int(avg_ctx), 30)
+    c = t_draft / t_target
+    spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
+            "g_draft": g_draft}
+    rows = []
+
+    def spec_run(ps, new, acceptance, adaptive_on):
+        driver.adaptive = adaptive if adaptive_on else None
+        replay.acceptance = acceptance
+        replay.reset_counts()
+        rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
+        return rate, outs, replay.per_token_acceptance
+
+    # calibration: every proposal rejected, so each step commits the target's greedy token at
+    # verification numerics; that continuation is what the replay proposes afterwards
+    _, calib, _ = spec_run(p1, new1, 0.0, False)
+    replay.continuations = {tuple(p1[0]): calib[0]}
+    for a in ACCEPTANCES:
+        rate, outs, acc = spec_run(p1, new1, a, False)
+        ideal = ideal_speedup(acc, K_SPEC, c)
+        rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0]))
+    b32 = prompts(1 if smoke else 32)
+    new32 = 16 if smoke else 128
+    plain32 = dict(thr).get(32) or dict(thr)[8]
+    _, calib32, _ = spec_run(b32, new32, 0.0, False)
+    replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
+    for a in ACCEPTANCES:
+        rate, outs, acc = spec_run(b32, new32, a, True)
+        same = sum(o == r for o, r in zip(outs, calib32, strict=True))
+        rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"), f"{same}/{len(b32)}"))
+    spec["rows"] = rows
+    results["spec"] = spec
+    del llm, engine, driver, replay, draft_runner
+    free()
+
+    # -- 1b. transformers static cache + torch.compile (last: slow and may fail)
+    compiled = "skipped"
+    if not smoke and not args.skip_compile:
+        if time.perf_counter() - t_start > args.compile_deadline:
+            compiled = "skipped (time budget)"
+        else:
+            try:
+                hf_target.generation_config.cache_implementation = "static"
+                hf_target.forward = torch.compile(hf_target.forward, mode="reduce-overhead",
+                                                  fullgraph=True)
+                rate, _ = hf_decode_rate(hf_target, p1[0], 64, device)
+                compiled = f"{rate:.1f} tok/s"
+                results["hf_compile_tok_s"] = rate
+            except Exception as exc:  # report, never fail the benchmark
+                compiled = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                traceback.print_exc()
+
+    # -- tables
+    d = results["decode_b1"]
+    say("\n== 1. decode, batch 1 (128-token prompt, 256 new tokens), Llama-3-8B shape bf16")
+    say("| run | tok/s | ms/token | bytes/token | % of roofline | vs transformers eager |")
+    say("|---|---|---|---|---|---|")
+    say(f"| specserve, CUDA graphs (end to end) | {d['tok_s']:.1f} | {1e3 / d['tok_s']:.2f} | "
+        f"{bytes_tok / 1e9:.2f} GB | {100 * d['tok_s'] / roof:.1f}% | "
+        f"{d['tok_s'] / hf_tok_s:.1f}x |")
+    say(f"| specserve, one step: execute() wall | {1 / wall1:.1f} | {1e3 * wall1:.2f} | | "
+        f"{100 / wall1 / roof:.1f}% | |")
+    say(f"| specserve, one step: graph replay GPU time | {1 / gpu1:.1f} | {1e3 * gpu1:.2f} | | "
+        f"{100 / gpu1 / roof:.1f}% | |")
+    say(f"| specserve enforce_eager path | {eager_tok_s:.1f} | {1e3 / eager_tok_s:.2f} | | "
+        f"{100 * eager_tok_s / roof:.1f}% | {eager_tok_s / hf_tok_s:.1f}x |")
+    say(f"| transformers generate, eager | {hf_tok_s:.1f} | {1e3 / hf_tok_s:.2f} | | "
+        f"{100 * hf_tok_s / roof:.1f}% | 1.0x |")
+    say(f"| transformers static cache + torch.compile | {compiled} | | | | |")
+    say(f"roofline: {bytes_tok / 1e9:.3f} GB / {bw / 1e12:.2f} TB/s = {1e3 / roof:.2f} ms "
+        f"= {roof:.0f} tok/s")
+
+    say("\n== 2. throughput (128-token prompts, 128 new tokens, greedy)")
+    say("| batch | decode tok/s | % of bf16 matmul ceiling |")
+    say("|---|---|---|")
+    for b, rate in thr:
+        say(f"| {b} | {rate:.0f} | {100 * rate * flops_tok / mm:.1f}% |")
+
+    say("\n== 3. verify cost: step with k+1 query tokens / plain decode step (context 512)")
+    say("| batch | measure | decode ms | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |")
+    say("|---|---|---|" + "---|" * 8)
+    for b, v in ver.items():
+        w0, g0 = v[0]
+        say(f"| {b} | execute() wall | {1e3 * w0:.2f} | "
+            + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
+        say(f"| {b} | graph GPU | {1e3 * g0:.2f} | "
+            + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
+
+    say(f"\n== 4. speculative decoding, 1B-shaped draft, k={K_SPEC}, replayed proposals")
+    say(f"c = draft step / target step = {1e3 * t_draft:.2f} / {1e3 * t_target:.2f} ms = {c:.3f}"
+        f" (GPU graph replay: {1e3 * g_draft:.2f} / {1e3 * g_target:.2f} ms)")
+    say("measured a: per-position acceptance, accepted / (accepted + rejections)")
+    say("| batch | target a | measured a | tok/s | speedup | ideal | % of ideal | "
+        "output == calibration |")
+    say("|---|---|---|---|---|---|---|---|")
+    for b, a, acc, rate, sp, ideal, same in rows:
+        pct = f"{100 * sp / ideal:.0f}%" if ideal == ideal else "-"
+        ideal_s = f"{ideal:.2f}x" if ideal == ideal else "- (adaptive)"
+        say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} |")
+    say(f"\ngraphs captured in the verify sweep: {captured}; total {time.perf_counter() - t_start:.0f} s")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_gpu_spec.txt").write_text("\n".join(LOG) + "\n")
+        (args.out / "bench_gpu_spec.json").write_text(json.dumps(results, indent=1,
+                                                                 default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
