@@ -53,6 +53,7 @@ def test_benchmark_end_to_end_tiny_model(tiny_llama, capsys):
             assert s.errors == [] and s.failed == 0, s.errors
             assert s.completed == s.num_requests == NUM_REQUESTS
             assert 0 < s.completion_tokens <= NUM_REQUESTS * MAX_TOKENS
+            assert s.prompt_tokens_mean > 0
             assert s.duration_s > 0 and s.request_throughput > 0 and s.output_throughput > 0
             for pcts in (s.ttft_ms, s.itl_token_ms, s.itl_chunk_ms):
                 assert list(pcts) == [50, 90, 99]
