@@ -14,6 +14,10 @@ drifts on a shared machine hits all of them alike) and each number is a median o
   total generated tokens / wall time. transformers runs one left-padded ``generate`` call
   (pad = EOS id 2, attention mask marks the padding).
 
+``--quantization int4 int8`` adds specserve with quantized weights (opt-in; approximate: int4
+keeps the GGUF's own Q4_1 codes but runs bfloat16 activations, int8 quantizes activations per
+token), whose first greedy divergence from transformers is printed.
+
 Prefix caching is switched off for specserve so that repeated runs prefill like the first one.
 Usage: ``python benchmarks/bench_offline_cpu.py [--quick] [--repeats 5] [--batch-repeats 3]
 [--threads 2] [--idle-wait 600] [--skip transformers llama.cpp]``.
@@ -78,10 +82,10 @@ def timed(fn: Callable[[], object]) -> float:
 
 # ---- specserve ----------------------------------------------------------------------------------
 class Ours:
-    def __init__(self) -> None:
+    def __init__(self, quantization: str | None = None) -> None:
         from specserve import LLM
 
-        self.llm = LLM(device="cpu", enable_prefix_caching=False)
+        self.llm = LLM(device="cpu", enable_prefix_caching=False, quantization=quantization)
         self.gguf = self.llm.llm_engine.source.gguf_file
 
     def chat_ids(self, text: str) -> list[int]:
@@ -205,12 +209,12 @@ def print_table(b1: dict[str, float], bn: dict[str, float], batch: int) -> None:
     for name, rate in b1.items():
         bn_text = f"{bn[name]:.1f}" if name in bn else "n/a"
         print(f"| {name} | {rate:.1f} | {bn_text} |")
-    ours = "specserve"
-    if "transformers" in b1:
-        print(f"| ratio specserve / transformers | {b1[ours] / b1['transformers']:.2f}x | "
-              f"{bn[ours] / bn['transformers']:.2f}x |")
-    if "llama.cpp" in b1:
-        print(f"| ratio specserve / llama.cpp | {b1[ours] / b1['llama.cpp']:.2f}x | |")
+    for ours in (name for name in b1 if name.startswith("specserve")):
+        if "transformers" in b1:
+            print(f"| ratio {ours} / transformers | {b1[ours] / b1['transformers']:.2f}x | "
+                  f"{bn[ours] / bn['transformers']:.2f}x |")
+        if "llama.cpp" in b1:
+            print(f"| ratio {ours} / llama.cpp | {b1[ours] / b1['llama.cpp']:.2f}x | |")
 
 
 def main() -> None:
@@ -220,6 +224,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="batch-1 repetitions")
     parser.add_argument("--batch-repeats", type=int, default=3, help="batch repetitions")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument("--quantization", nargs="*", default=[], choices=["int4", "int8"],
+                        help="also run specserve with these quantization methods (opt-in, "
+                             "approximate: see README)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp"])
     parser.add_argument("--idle-wait", type=float, default=0.0, metavar="SECONDS",
                         help="before each timing, wait up to this long for the CPUs to go idle "
@@ -235,6 +242,8 @@ def main() -> None:
     prompt = ours.chat_ids(BATCH1_PROMPT)
     prompts = [ours.chat_ids(p) for p in USER_PROMPTS[:batch]]
     engines: dict = {"specserve": ours}
+    for method in args.quantization:
+        engines[f"specserve {method}"] = Ours(quantization=method)
     if "transformers" not in args.skip:
         engines["transformers"] = Transformers(ours.gguf)
     if "llama.cpp" not in args.skip:
@@ -252,6 +261,13 @@ def main() -> None:
         same = (engines["transformers"].generate([prompt], new_tokens)[0]
                 == ours.generate([prompt], new_tokens)[0])
         print(f"batch-1 greedy tokens identical to transformers: {same}")
+        for name, engine in engines.items():
+            if name.startswith("specserve "):
+                ref = engines["transformers"].generate([prompt], new_tokens)[0]
+                got = engine.generate([prompt], new_tokens)[0]
+                agree = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True))
+                              if a != b), len(ref))
+                print(f"{name}: first {agree} of {len(ref)} greedy tokens equal transformers'")
 
     bench = Bench(engines, prompt, prompts, new_tokens, args.idle_wait)
     pressure = cpu_pressure()

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from specserve.model.layers.quantization import get_quantization_method
+
 SUPPORTED_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float32": torch.float32,
@@ -149,6 +151,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enforce_eager: bool = False
     trust_remote_code: bool = False
+    quantization: str | None = None  # a name in QUANTIZATION_METHODS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -166,3 +169,5 @@ class EngineArgs:
         )
         _require(self.model is None or isinstance(self.model, str),
                  f"model={self.model!r} must be a string (path, Hub id or GGUF file).")
+        if self.quantization is not None:
+            get_quantization_method(self.quantization)  # unknown names fail here, before loading

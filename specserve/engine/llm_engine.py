@@ -20,6 +20,7 @@ from specserve.engine.detokenizer import Detokenizer, DetokenizerState
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.scheduler import ScheduledSequence, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.model.layers.quantization import get_quantization_method
 from specserve.model.loader import load_hf_config, load_tokenizer, resolve_model
 from specserve.model.registry import model_class_for
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -66,7 +67,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, getattr(self.hf_config, "dtype", None),
                                    self.device)
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
-        target = load_model(args.model, self.dtype, self.device, self.source, self.hf_config)
+        if args.quantization is not None:  # a CPU-only method on CUDA fails before loading
+            get_quantization_method(args.quantization).check_device(self.device)
+        target = load_model(args.model, self.dtype, self.device, self.source, self.hf_config,
+                            quantization=args.quantization)
         self.vocab_size = target.model.vocab_size
         self.max_model_len = self._derive_max_model_len(args.max_model_len,
                                                         target.max_position_embeddings)

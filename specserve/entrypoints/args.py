@@ -144,6 +144,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("gpu_memory_utilization", float, "fraction of GPU memory the engine may use"),
     EngineFlag("max_model_len", parse_human_int, "context length (default: the model's)"),
     EngineFlag("enforce_eager", None, "never capture CUDA graphs"),
+    EngineFlag("quantization", str, "quantize the weights after loading: int4 (4-bit groups of "
+               "32, GGUF Q4_1 layout; CPU) or int8 (8-bit weights and activations; CPU)",
+               aliases=("-q",)),
     EngineFlag("device", str, "auto, cpu or cuda"),
     EngineFlag("trust_remote_code", None, "allow custom tokenizer code from the model repo"),
     EngineFlag("block_size", int, "tokens per KV-cache block"),
@@ -179,6 +182,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("speculative_adaptive", None,
                "adapt the number of proposals to acceptance and load (default on)",
                bool_value=True),
+    EngineFlag("speculative_model_quantization", str,
+               "quantization of the draft model (same choices as --quantization)"),
     EngineFlag("suffix_decoding_max_tree_depth", int,
                "'[suffix]': longest context tail matched plus tokens proposed"),
     EngineFlag("suffix_decoding_max_cached_requests", int,

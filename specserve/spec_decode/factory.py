@@ -34,7 +34,7 @@ def load_draft_runner(spec: SpeculativeConfig, target: LoadedModel, dtype: torch
     limit = target_max_model_len
     runner = None
     if spec.method == "draft_model":
-        draft = load_model(spec.model, dtype, device)
+        draft = load_model(spec.model, dtype, device, quantization=spec.quantization)
         draft_vocab, target_vocab = draft.model.vocab_size, target.model.vocab_size
         if draft_vocab != target_vocab:
             raise ValueError(

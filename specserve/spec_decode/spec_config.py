@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from specserve.model.layers.quantization import get_quantization_method
+
 NGRAM_MODEL_NAME = "[ngram]"
 SUFFIX_MODEL_NAME = "[suffix]"
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
@@ -21,6 +23,7 @@ _V1_ALIASES = {"model": "model", "num_speculative_tokens": "num_speculative_toke
                "max_model_len": "max_model_len",
                "disable_by_batch_size": "disable_by_batch_size",
                "acceptance_method": "acceptance_method",
+               "quantization": "quantization",
                **{name: name for name in SUFFIX_OPTIONS}}
 
 
@@ -51,6 +54,7 @@ class SpeculativeConfig:
     posterior_alpha: float = 0.3
     disable_logprobs: bool = True
     adaptive: bool = True  # adapt k per sequence and per batch (see spec_decode/adaptive.py)
+    quantization: str | None = None  # of the draft model (speculative_model_quantization)
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -88,6 +92,11 @@ class SpeculativeConfig:
             _fail(f"typical_acceptance_sampler_posterior_alpha={self.posterior_alpha!r} must be "
                   "in [0, 1].")
         self._check_suffix_options()
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                _fail(f"speculative_model_quantization={self.quantization!r} applies to a draft "
+                      f"model; method {self.method!r} has none.")
+            get_quantization_method(self.quantization)
 
     def _check_suffix_options(self) -> None:
         depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
@@ -118,6 +127,7 @@ class SpeculativeConfig:
         typical_acceptance_sampler_posterior_alpha: float | None = None,
         disable_logprobs_during_spec_decoding: bool | None = None,
         speculative_adaptive: bool = True,
+        speculative_model_quantization: str | None = None,
         suffix_decoding_max_tree_depth: int = 24,
         suffix_decoding_max_cached_requests: int = 10000,
         suffix_decoding_max_spec_factor: float = 1.0,
@@ -137,6 +147,7 @@ class SpeculativeConfig:
             "suffix_decoding_max_cached_requests": suffix_decoding_max_cached_requests,
             "suffix_decoding_max_spec_factor": suffix_decoding_max_spec_factor,
             "suffix_decoding_min_token_prob": suffix_decoding_min_token_prob,
+            "quantization": speculative_model_quantization,
         }
         if speculative_config is not None:
             if not isinstance(speculative_config, dict):

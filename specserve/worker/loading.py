@@ -10,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM
+from specserve.model.layers.quantization import get_quantization_method, quantize_model
 from specserve.model.loader import ModelSource, iter_weights, load_hf_config, resolve_model
 from specserve.model.registry import build_model
 
@@ -31,11 +32,14 @@ class LoadedModel:
 
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
                source: ModelSource | None = None,
-               hf_config: PretrainedConfig | None = None) -> LoadedModel:
+               hf_config: PretrainedConfig | None = None,
+               quantization: str | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     source = source or resolve_model(name)
     hf_config = hf_config or load_hf_config(source)
     model = build_model(hf_config, iter_weights(source), dtype, device)
+    if quantization is not None:
+        quantize_model(model, get_quantization_method(quantization), device)
     logger.info("loaded %s (%s) in %.2fs", source.name, type(model).__name__,
                 time.perf_counter() - t0)
     return LoadedModel(source, hf_config, model)
