@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM, KVGeometry
 from specserve.model.layers.attention import Attention, AttentionMetadata
+from specserve.model.layers import triton_ops
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
 from specserve.model.weights import fused_linear
@@ -68,7 +69,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported for Llama models (only 'silu').")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if triton_ops.available(gate_up):
+            return self.down_proj(triton_ops.silu_mul(gate_up))  # one kernel instead of 2
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,0 +1,142 @@
+"""Fused Triton kernels for the small per-layer ops of a CUDA decode step.
+
+Why: with CUDA graphs a decode step of an 8B model is bound by its ~1000 kernels, not by Python;
+at batch 1 every RMSNorm was 7 tiny kernels (float, pow, mean, add, rsqrt, mul, cast + the
+weight multiply) and every rotary embedding 6, each costing a few microseconds of launch and
+ramp while moving almost no bytes. One program per token does each in a single kernel.
+
+Numerics follow the torch reference (layers/norm.py, layers/rotary.py): RMSNorm normalises in
+float32, casts to the input dtype, then multiplies by the weight in that dtype; rotary works in
+float32 and casts back. Only the order of the float32 reductions/FMAs differs, so results can
+differ from the torch path in the last bit. The CPU path keeps the torch code; the kernels run
+on CPU only under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+MAX_FUSED_HIDDEN = 16384  # one program holds a whole row in registers up to this width
+
+
+def available(x: torch.Tensor) -> bool:
+    """True when the fused kernels should serve x: a CUDA tensor, and triton is installed.
+    (Checked without importing triton: CPU runs never import it, which keeps the interpreter
+    choice of the kernel tests free.)"""
+    return x.is_cuda and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _kernels():
+    """Compile-on-demand kernel definitions (triton is imported on first use only). The
+    kernels resolve ``tl`` from this module's globals, hence the global import."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        y = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        out = w.to(tl.float32) * y.to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot,
+                       stride_oh, stride_ct, stride_st, num_heads,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """x [T, heads, 2 * HALF] ("rotate half" layout) -> out, one program per token.
+        cos [T, HALF]; sin [T, 2, HALF] holding (-sin, +sin)."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HALF
+        mask = (h < num_heads)[:, None] & d_ok[None, :]
+        x_row = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+        x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)  # [H, HALF]
+        x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0)[None, :]
+        s_lo = tl.load(sin_ptr + t * stride_st + d, mask=d_ok, other=0.0)[None, :]  # -sin
+        s_hi = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d_ok, other=0.0)[None, :]
+        o_row = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+        tl.store(o_row, (x1 * c + x2 * s_lo).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + HALF, (x2 * c + x1 * s_hi).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+        """x [T, 2 * inter] = [gate | up] -> out [T, inter] = silu(gate) * up, rounded like
+        torch (silu in float32 rounded to x's dtype, then the product rounded)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    return _rms_norm_kernel, _rotary_kernel, _silu_mul_kernel
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden] in x's dtype (weight in x's dtype, as the module keeps it)."""
+    num_rows, hidden = x.shape
+    assert hidden <= MAX_FUSED_HIDDEN and weight.shape == (hidden,)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows:
+        block = _pow2(hidden)
+        _kernels()[0][(num_rows,)](x, weight, out, x.stride(0), out.stride(0), hidden, eps,
+                                      BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (last dim contiguous) -> rotated copy [T, heads, D]; cos [T, ..., D/2]
+    and signed_sin [T, ..., 2, D/2] as RotaryTable holds them (contiguous per token)."""
+    num_tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    assert x.stride(-1) == 1
+    out = torch.empty(num_tokens, heads, head_dim, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        cos = cos.reshape(num_tokens, half)
+        sin = signed_sin.reshape(num_tokens, 2 * half)
+        _kernels()[1][(num_tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
+                                      out.stride(1), cos.stride(0), sin.stride(0), heads,
+                                      HALF=half, BLOCK_H=_pow2(heads), BLOCK_D=_pow2(half),
+                                      num_warps=4)
+    return out
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] = [gate | up] (last dim contiguous) -> silu(gate) * up [T, I]."""
+    num_tokens, width = x.shape
+    inter = width // 2
+    assert x.stride(-1) == 1
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        grid = (num_tokens, (inter + SILU_BLOCK - 1) // SILU_BLOCK)
+        _kernels()[2][grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=SILU_BLOCK,
+                            num_warps=4)
+    return out

@@ -1,0 +1,56 @@
+"""Fused RMSNorm and rotary kernels (layers/triton_ops.py) against the torch reference, on CPU
+under the Triton interpreter (see test_triton_attention.py for why the variable is set here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="triton was imported before the interpreter was chosen")
+
+from specserve.model.layers import triton_ops  # noqa: E402
+from specserve.model.layers.norm import RMSNorm  # noqa: E402
+from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_matches_module(hidden):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    x = torch.randn(5, 2 * hidden, generator=gen)[:, :hidden] * 3  # a strided view
+    ref = norm(x)  # CPU: the torch path
+    out = triton_ops.rms_norm(x, norm.weight, norm.eps)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_matches_module():
+    gen = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(32, 64, 10000.0)
+    positions = torch.tensor([0, 3, 17, 63])
+    table = rope.table(positions)
+    qkv = torch.randn(4, 7 * 32, generator=gen)
+    x = qkv[:, : 6 * 32].view(4, 6, 32)  # q and k heads of a fused projection (strided rows)
+    ref = rope.rotate(x, table)  # CPU: the torch path
+    out = triton_ops.rotary(x, table.cos, table.sin)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_tensors_never_dispatch_to_triton():
+    assert not triton_ops.available(torch.zeros(2))
+
+
+def test_silu_mul_matches_torch():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2 * 1500, generator=gen) * 4  # not a multiple of the block
+    gate, up = x.split(1500, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(triton_ops.silu_mul(x), ref, atol=1e-5, rtol=1e-5)
