@@ -32,7 +32,7 @@ from specserve.spec_decode.verifier import Verifier
 from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from specserve.worker.loading import load_model
-from specserve.worker.model_runner import ModelRunner, SequenceRun
+from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class LLMEngine:
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
         t_forward = time.perf_counter()
         logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
-        sample_logits = logits[sample_rows]  # [sum(k_i + 1), vocab]
+        sample_logits = select_rows(logits, sample_rows)  # [sum(k_i + 1), vocab], no sync
         verified = self.verifier.verify([s.seq for s in sampled], proposals, draft_probs,
                                         sample_logits)  # reads tokens: the step's one sync
         if self.speculation is not None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from specserve.sampling_params import SAMPLING_EPS, SamplingParams
+from specserve.worker.transfer import to_device
 
 NEG_INF = float("-inf")
 
@@ -30,8 +31,8 @@ def _row_token_index(
     row_idx = list(itertools.chain.from_iterable([r] * len(token_ids[r]) for r in rows))
     tok_idx = list(itertools.chain.from_iterable(token_ids[r] for r in rows))
     return (
-        torch.tensor(row_idx, dtype=torch.long).to(device, non_blocking=True),
-        torch.tensor(tok_idx, dtype=torch.long).to(device, non_blocking=True),
+        to_device(row_idx, torch.long, device),
+        to_device(tok_idx, torch.long, device),
     )
 
 
@@ -99,7 +100,7 @@ class SamplingTensors:
 
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        scalars = torch.tensor(
+        scalars = to_device(
             [
                 [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                 [p.top_p for p in params],
@@ -108,8 +109,8 @@ class SamplingTensors:
                 [p.frequency_penalty for p in params],
                 [p.repetition_penalty for p in params],
             ],
-            dtype=torch.float64,
-        ).to(device=device, dtype=dtype)  # [6, R]
+            torch.float64, device,
+        ).to(dtype)  # [6, R]
 
         penalty_rows = [r for r, p in enumerate(params) if p.uses_penalties]
         counts = prompt_mask = None
@@ -122,7 +123,7 @@ class SamplingTensors:
 
         return cls(
             temperature=scalars[0],
-            top_k=torch.tensor(top_k, dtype=torch.long).to(device, non_blocking=True),
+            top_k=to_device(top_k, torch.long, device),
             top_p=scalars[1],
             min_p=scalars[2],
             presence_penalty=scalars[3],
@@ -131,7 +132,7 @@ class SamplingTensors:
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
             logit_bias=_logit_bias(params, blocked_token_ids, vocab_size, device, dtype),
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
+            greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_penalties=not penalty_rows,

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from specserve.sample.sampler import exponential_noise
+from specserve.worker.transfer import to_device
 
 PAD_TOKEN = -1
 
@@ -109,7 +110,7 @@ def rejection_sample(
     random_rows: list[bool] | None = None,  # host copy of ~greedy (None: all random)
 ) -> AcceptanceResult:
     device = target_argmax.device
-    num_draft = torch.tensor(num_draft_host, dtype=torch.long).to(device, non_blocking=True)
+    num_draft = to_device(num_draft_host, torch.long, device)
     if target_probs is None:
         return greedy_accept(target_argmax, draft_token_ids, num_draft)
     num_seqs, k_plus_1, vocab = target_probs.shape

@@ -19,6 +19,7 @@ from specserve.sample.logits_processing import SamplingTensors, process_logits
 from specserve.sample.sampler import probs_from_final_logits
 from specserve.sampling_params import SamplingType
 from specserve.spec_decode.rejection_sampler import PAD_TOKEN, rejection_sample
+from specserve.worker.transfer import to_device
 
 
 @dataclass
@@ -57,18 +58,17 @@ class Verifier:
 
         num_seqs, k = len(seqs), max(counts, default=0)
         # Scatter rows into a padded [S, K+1] layout.
-        seq_index = torch.tensor([i for i, c in enumerate(counts) for _ in range(c + 1)],
-                                 dtype=torch.long)
-        pos_index = torch.tensor([j for c in counts for j in range(c + 1)], dtype=torch.long)
-        seq_index, pos_index = seq_index.to(device), pos_index.to(device)
+        seq_index = to_device([i for i, c in enumerate(counts) for _ in range(c + 1)],
+                              torch.long, device)
+        pos_index = to_device([j for c in counts for j in range(c + 1)], torch.long, device)
         argmax = torch.zeros(num_seqs, k + 1, dtype=torch.long, device=device)
         argmax[seq_index, pos_index] = final.argmax(dim=-1)
         draft_ids = torch.full((num_seqs, max(k, 0)), PAD_TOKEN, dtype=torch.long)
         for i, props in enumerate(proposals):
             draft_ids[i, : len(props)] = torch.tensor(props, dtype=torch.long)
-        draft_ids = draft_ids.to(device)
-        greedy = torch.tensor([s.params.sampling_type is SamplingType.GREEDY for s in seqs],
-                              device=device)
+        draft_ids = to_device(draft_ids, torch.long, device)
+        greedy = to_device([s.params.sampling_type is SamplingType.GREEDY for s in seqs],
+                           torch.bool, device)
         if tensors.all_greedy:
             target_probs = None
         else:

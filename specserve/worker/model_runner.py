@@ -16,6 +16,7 @@ from specserve.model.base import CausalLM
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
 from specserve.worker.cuda_graphs import CudaGraphRunner
 from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from specserve.worker.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -152,4 +153,12 @@ class ModelRunner:
             base += len(run.token_ids)
         if rows == list(range(base)):
             return None
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return to_device(rows, torch.int64, self.device)
+
+
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] without a host sync (a Python-list index is a blocking copy on CUDA);
+    no copy at all when rows are every row in order (plain decoding)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[to_device(rows, torch.int64, logits.device)]
