@@ -27,6 +27,9 @@ What is reported per rate (percentiles over all requests, or all tokens, of the 
 * ``TPOT``: per request (latency - TTFT) / (completion tokens - 1), then the mean over requests.
 * ``tok/chunk`` and, for speculating modes, the acceptance rate (accepted / drafted tokens, from
   the server's ``spec_decode_stats`` extension).
+* ``others' CPU``: the share of the machine's CPU time that processes other than the benchmark
+  and its servers took during the run (/proc/stat, steal included), a gauge of noise on a shared
+  machine: rows where it is high are slowed by someone else.
 
 Tokens per chunk are exact: requests ask for logprobs of the chosen token only (``logprobs=0`` /
 ``top_logprobs=0``), so each chunk lists its tokens, and the server then also sends chunks whose
@@ -64,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import openai
-from bench_offline_cpu import cpu_pressure, wait_idle
+from bench_offline_cpu import wait_idle
 
 INF = math.inf
 STARTUP_TIMEOUT_S = 300.0
@@ -267,6 +270,7 @@ class RateSummary:
     tokens_per_chunk: float
     acceptance_rate: float | None
     errors: list[str]
+    others_cpu_pct: float | None = None  # CPU that other processes took during the run
 
 
 def percentiles(values: Sequence[float]) -> dict[int, float]:
@@ -328,6 +332,37 @@ async def run_rate(base_url: str, requests: list[BenchRequest], rate: float, opt
     finally:
         await client.close()
     return summarize(rate, list(results), duration)
+
+
+# ---- noise gauge --------------------------------------------------------------------------------
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Sequence[int]) -> tuple[float, float] | None:
+    """(CPU seconds every process has used, of which `pids` used), from /proc; None if absent.
+
+    Busy time counts user, nice, system, irq, softirq and steal (the host's other guests)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+                int, f.readline().split()[1:9])
+        ours = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+            ours += int(fields[11]) + int(fields[12])  # utime, stime: all threads
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS, ours / CLOCK_TICKS
+
+
+def others_cpu_pct(before: tuple[float, float] | None, after: tuple[float, float] | None,
+                   wall_s: float) -> float | None:
+    """Share of the machine's CPU time that processes other than ours took, in %."""
+    if before is None or after is None:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, 100 * others / (wall_s * (os.cpu_count() or 1)))
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -412,6 +447,7 @@ def benchmark(config: BenchConfig, log=print) -> dict[str, list[RateSummary]]:
     out: dict[str, list[RateSummary]] = {mode: [] for mode in config.modes}
     with contextlib.ExitStack() as stack:
         targets: dict[str, tuple[str, SendOptions]] = {}
+        pids = [os.getpid()]
         for mode, flags in config.modes.items():
             t0 = time.perf_counter()
             server = stack.enter_context(BenchServer([*config.server_args, *flags]))
@@ -423,15 +459,18 @@ def benchmark(config: BenchConfig, log=print) -> dict[str, list[RateSummary]]:
             warmup = build_workload(config.warmup_requests)
             asyncio.run(run_rate(server.url, warmup, INF, opts))  # first-call costs, not timed
             targets[mode] = (server.url, opts)
+            pids.append(server.proc.pid)
         for rate in config.rates:
             for mode, (url, opts) in targets.items():
                 wait_idle(config.idle_wait_s)
-                pressure = cpu_pressure()
+                before, t0 = cpu_seconds(pids), time.perf_counter()
                 summary = asyncio.run(run_rate(url, requests, rate, opts, config.seed))
+                summary.others_cpu_pct = others_cpu_pct(before, cpu_seconds(pids),
+                                                        time.perf_counter() - t0)
                 out[mode].append(summary)
                 log(f"[{mode}] rate {rate:g}: {summary.completed}/{summary.num_requests} ok, "
-                    f"{summary.duration_s:.1f}s, {summary.output_throughput:.1f} tok/s "
-                    f"(CPU pressure before: {_fmt(pressure)}%)")
+                    f"{summary.duration_s:.1f}s, {summary.output_throughput:.1f} tok/s, "
+                    f"other processes took {_fmt(summary.others_cpu_pct, 0)}% of the CPUs")
     return out
 
 
@@ -447,8 +486,8 @@ def _pcts(d: dict[int, float]) -> str:
 def results_table(results: dict[str, list[RateSummary]]) -> str:
     head = ("| mode | rate | ok | in tok | req/s | out tok/s | TTFT p50/p90/p99 ms | "
             "ITL/tok p50/p90/p99 ms | ITL/chunk p50/p90/p99 ms | TPOT mean ms | tok/chunk | "
-            "accept |")
-    rows = [head, "|" + "---|" * 12]
+            "accept | others' CPU |")
+    rows = [head, "|" + "---|" * 13]
     for mode, summaries in results.items():
         for s in summaries:
             rows.append(
@@ -456,7 +495,7 @@ def results_table(results: dict[str, list[RateSummary]]) -> str:
                 f"{_fmt(s.prompt_tokens_mean, 0)} | {_fmt(s.request_throughput, 2)} | {_fmt(s.output_throughput)} | "
                 f"{_pcts(s.ttft_ms)} | {_pcts(s.itl_token_ms)} | {_pcts(s.itl_chunk_ms)} | "
                 f"{_fmt(s.tpot_mean_ms)} | {_fmt(s.tokens_per_chunk, 2)} | "
-                f"{_fmt(s.acceptance_rate, 3)} |")
+                f"{_fmt(s.acceptance_rate, 3)} | {_fmt(s.others_cpu_pct, 0)}% |")
     return "\n".join(rows)
 
 

@@ -60,6 +60,7 @@ def test_benchmark_end_to_end_tiny_model(tiny_llama, capsys):
                 assert all(math.isfinite(v) and v >= 0 for v in pcts.values())
                 assert pcts[50] <= pcts[90] <= pcts[99]
             assert math.isfinite(s.tpot_mean_ms) and s.tokens_per_chunk >= 1
+            assert 0 <= s.others_cpu_pct <= 100  # /proc read (Linux): the noise gauge works
             if mode == "none":
                 assert s.acceptance_rate is None
             else:
