@@ -54,7 +54,6 @@ from checkpoints import TEST_PROMPTS, build_tiny_checkpoint, build_tokenizer  # 
 import specserve.worker.loading as loading  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.spec_decode.benchmark_proposer import ReplayProposer  # noqa: E402
-from specserve.worker.cuda_graphs import GraphKey  # noqa: E402
 from specserve.worker.model_runner import SequenceRun  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -133,8 +132,6 @@ def copy_bandwidth(device, nbytes: int) -> float:
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), 20)
     assert torch.equal(dst, src)
-    del src, dst
-    free()
     return 2 * nbytes / t
 
 
@@ -143,8 +140,6 @@ def matmul_rate(device, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = cuda_time(lambda: a @ b, 10)
-    del a, b
-    free()
     return 2 * n**3 / t
 
 
@@ -483,6 +478,7 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')}")
     bw = copy_bandwidth(device, (64 if smoke else 4096) << 20)
     mm = matmul_rate(device, 512 if smoke else 8192)
+    free()  # the probes' buffers are cached by the allocator
     say(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s; bf16 matmul: {mm / 1e12:.0f} TFLOP/s")
     work = Path(tempfile.mkdtemp(prefix="bench_gpu_spec_"))
     results: dict = {"bandwidth": bw, "matmul": mm}
@@ -616,7 +612,7 @@ def main() -> int:
                  f"{same}/{len(b32)}"))
     spec["rows"] = rows
     results["spec"] = spec
-    del llm, engine, driver, replay, draft_runner
+    llm = engine = driver = replay = draft_runner = None  # free the engine before compiling
     free()
 
     # -- 1b. transformers static cache + torch.compile (last: slow and may fail)

@@ -11,8 +11,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM, KVGeometry
-from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers import triton_ops
+from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
 from specserve.model.weights import fused_linear
