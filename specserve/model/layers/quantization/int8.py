@@ -62,7 +62,8 @@ class DynamicInt8Linear(nn.Module):
             min=torch.finfo(torch.float32).tiny)  # [T, 1]
         x_int8 = torch.div(xf, x_scale).round_().to(torch.int8)  # [T, K]
         acc = torch._int_mm(x_int8, self.weight_t)  # [T, N] int32, exact
-        y = torch.mul(acc, self.scale).mul_(x_scale)  # int32 * float32 -> float32, one pass
+        # A mixed int32 * float32 mul takes a slow path; convert once, then scale in place.
+        y = acc.to(torch.float32).mul_(self.scale).mul_(x_scale)  # [T, N]
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype)
