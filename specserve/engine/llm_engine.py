@@ -30,7 +30,7 @@ from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
 from specserve.spec_decode.verifier import Verifier
 from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
-from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
 
@@ -82,12 +82,12 @@ class LLMEngine:
         if spec is not None:
             draft_runner, spec_max_model_len = load_draft_runner(
                 spec, target, self.dtype, self.device, block_size, self.max_model_len)
-        num_blocks = self._size_kv_cache(draft_runner)
         sched = args.scheduler
         max_tokens = sched.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          sched.max_num_seqs)
         if not sched.enable_chunked_prefill:
             max_tokens = max(max_tokens, self.max_model_len)
+        num_blocks = self._size_kv_cache(draft_runner, max_tokens)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           args.cache.enable_prefix_caching)
         k = spec.num_speculative_tokens if spec is not None else 0
@@ -121,14 +121,25 @@ class LLMEngine:
                     self.max_model_len)
 
     # ---- set-up helpers --------------------------------------------------------------------
-    def _size_kv_cache(self, draft_runner: ModelRunner | None) -> int:
-        """Target and draft get the same number of blocks, paid from one memory budget."""
+    def _size_kv_cache(self, draft_runner: ModelRunner | None, max_num_tokens: int) -> int:
+        """Target and draft get the same number of blocks, paid from one memory budget; on
+        CUDA that budget is what gpu_memory_utilization leaves after the weights and the
+        profiled peak of the largest step (max_num_tokens prefill tokens, or a verify step of
+        max_num_seqs x (k + 1) logit rows)."""
         cache, block_size = self.args.cache, self.args.cache.block_size
         runners = [self.runner] + ([draft_runner] if draft_runner is not None else [])
         per_block = sum(bytes_per_block(r.model.kv_geometry(), block_size, self.dtype)
                         for r in runners)
-        max_useful = (self.args.scheduler.max_num_seqs * self.max_model_len) // block_size + 1
-        num_blocks = num_blocks_for_budget(cache, per_block, self.device, max_useful)
+        max_num_seqs = self.args.scheduler.max_num_seqs
+        max_useful = (max_num_seqs * self.max_model_len) // block_size + 1
+        plan = None
+        if (self.device.type == "cuda" and cache.num_gpu_blocks_override is None
+                and cache.kv_cache_memory_bytes is None):
+            spec = self.args.speculative
+            k = spec.num_speculative_tokens if spec is not None else 0
+            plan = plan_gpu_memory(runners, cache.gpu_memory_utilization, max_num_tokens,
+                                   max_num_seqs, k + 1, self.max_model_len)
+        num_blocks = num_blocks_for_budget(cache, per_block, self.device, max_useful, plan)
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * block_size} tokens, fewer than max_model_len="

@@ -51,16 +51,60 @@ class ModelRunner:
             raise ValueError("no memory is left for the KV cache; lower the model size, raise "
                              "gpu_memory_utilization or kv_cache_memory_bytes.")
         t0 = time.perf_counter()
-        caches = allocate_kv_cache(geom, num_blocks, self.block_size, self.dtype, self.device)
-        # A fresh backend per cache: backends may keep state about the cache across steps.
-        self.backend = get_attention_backend(self.device)
-        for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
-            layer.bind(k, v, self.backend)
+        self._bind(allocate_kv_cache(geom, num_blocks, self.block_size, self.dtype,
+                                     self.device))
         self.num_blocks = num_blocks
         self.graphs = None  # captured against the old cache and backend
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB) in %.2fs", num_blocks,
                     self.block_size, num_blocks * per_block / 2**20, time.perf_counter() - t0)
         return num_blocks
+
+    # ---- memory profiling ----------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_peak_memory(self, max_num_tokens: int, max_num_seqs: int, tokens_per_seq: int,
+                            max_seq_len: int) -> int:
+        """Peak bytes the largest steps allocate beyond weights and cache (0 off CUDA).
+
+        Why: the KV cache is sized from what is free, and every step allocates activations
+        and logits on top of it; unless the largest step is reserved, the first full batch
+        runs out of memory. Runs, against a small temporary cache freed afterwards, (a) a
+        prefill of max_num_tokens tokens (chunks of at most max_seq_len) and (b) a verify step
+        of max_num_seqs x tokens_per_seq tokens with logits (and the sampler's softmax) for
+        every row. Call before init_kv_cache; the runner is left without a cache."""
+        assert self.num_blocks == 0 and self.graphs is None, "profile before init_kv_cache"
+        bs = self.block_size
+        # a draft may have a shorter context than the target: its rotary table ends there
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
+        chunks = [min(max_seq_len, max_num_tokens - s) for s in range(0, max_num_tokens,
+                                                                       max_seq_len)]
+        prefill = _dummy_runs(chunks, bs, all_logits=False)
+        verify = _dummy_runs([tokens_per_seq] * max_num_seqs, bs, all_logits=True)
+        num_blocks = max(_blocks_needed(prefill), _blocks_needed(verify))
+        cuda = self.device.type == "cuda"
+        self._bind(allocate_kv_cache(self.model.kv_geometry(), num_blocks, bs, self.dtype,
+                                     self.device))
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for runs in (prefill, verify):
+            logits = self.execute(runs)  # [R, vocab] float32
+            torch.softmax(logits, dim=-1)  # the verifier's probabilities: one more [R, vocab]
+            del logits
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._bind([(empty, empty)] * len(list(self.model.attention_layers())))
+        return peak
+
+    def _bind(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # A fresh backend per cache: backends may keep state about the cache across steps.
+        self.backend = get_attention_backend(self.device)
+        for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
+            layer.bind(k, v, self.backend)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def enable_cuda_graphs(self, max_batch: int, max_query_len: int, max_model_len: int,
@@ -154,6 +198,22 @@ class ModelRunner:
         if rows == list(range(base)):
             return None
         return to_device(rows, torch.int64, self.device)
+
+
+def _dummy_runs(query_lens: list[int], block_size: int, all_logits: bool) -> list[SequenceRun]:
+    """Fresh sequences (position 0) of the given lengths on consecutive blocks; logits for
+    every token, or for each sequence's last."""
+    runs, block = [], 0
+    for n in query_lens:
+        nb = -(-n // block_size)
+        offsets = list(range(n)) if all_logits else [n - 1]
+        runs.append(SequenceRun([0] * n, 0, list(range(block, block + nb)), offsets))
+        block += nb
+    return runs
+
+
+def _blocks_needed(runs: list[SequenceRun]) -> int:
+    return sum(len(r.block_table) for r in runs)
 
 
 def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
