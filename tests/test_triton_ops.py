@@ -54,3 +54,21 @@ def test_silu_mul_matches_torch():
     gate, up = x.split(1500, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(triton_ops.silu_mul(x), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_add_rms_norm_matches_unfused(hidden):
+    """The fused residual add + norm against the torch path (the add, then the module)."""
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    x = torch.randn(6, 2 * hidden, generator=gen)[:, :hidden] * 2  # a strided view
+    residual = torch.randn(6, hidden, generator=gen) * 5
+    ref_out, ref_res = norm.add_and_norm(x, residual)  # CPU: the torch path
+    torch.testing.assert_close(ref_res, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(ref_out, norm(x + residual), atol=0, rtol=0)
+    out, res = triton_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)  # one float32 add: exact
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert out.data_ptr() != x.data_ptr() and res.data_ptr() != residual.data_ptr()

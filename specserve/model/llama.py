@@ -84,9 +84,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, meta, rope: RotaryTable | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                rope: RotaryTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden]: the previous layer's MLP output, not yet added to `residual`
+        [T, hidden], the residual stream (None at the first layer, whose input is the
+        embedding). Returns (this layer's MLP output, the residual stream before it).
+
+        Why the split: each residual add is done by the norm that follows it, one fused
+        kernel on CUDA (RMSNorm.add_and_norm); the sums are the same as h + f(norm(h))."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn = self.self_attn(positions, normed, meta, rope)  # [T, hidden]
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -102,9 +115,12 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         # Every layer has the same rotary table; look the step's positions up once.
         rope = self.layers[0].self_attn.rotary_emb.table(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, meta, rope)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -25,3 +25,16 @@ class RMSNorm(nn.Module):
         x32 = x if dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (x32 if dtype == torch.float32 else x32.to(dtype))
+
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, hidden] -> (norm(x + residual), x + residual).
+
+        The residual add of a pre-norm decoder layer, fused with the norm that follows it into
+        one kernel on CUDA; elsewhere exactly the unfused ops (an add in x's dtype, then
+        forward)."""
+        if (triton_ops.available(x) and x.dim() == 2 and x.dtype == self.weight.dtype
+                and residual.dtype == x.dtype and residual.shape == x.shape):
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        hidden = x + residual
+        return self(hidden), hidden

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the small per-layer ops of a CUDA decode step.
 
 Why: with CUDA graphs a decode step of an 8B model is bound by its ~1000 kernels, not by Python;
-at batch 1 every RMSNorm was 7 tiny kernels (float, pow, mean, add, rsqrt, mul, cast + the
+at batch 1 every RMSNorm was 7 tiny kernels (8 with the residual add before it) (float, pow, mean, add, rsqrt, mul, cast + the
 weight multiply) and every rotary embedding 6, each costing a few microseconds of launch and
 ramp while moving almost no bytes. One program per token does each in a single kernel.
 
@@ -60,6 +60,24 @@ def _kernels():
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r,
+                             stride_o, stride_res, n_cols, eps, BLOCK: tl.constexpr):
+        """res = x + r rounded to the residual dtype (as torch's add), out = RMSNorm(res)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
+        h = h.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / n_cols
+        y = (h * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        out = w.to(tl.float32) * y.to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot,
                        stride_oh, stride_ct, stride_st, num_heads,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -93,7 +111,7 @@ def _kernels():
         tl.store(out_ptr + t * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty),
                  mask=mask)
 
-    return _rms_norm_kernel, _rotary_kernel, _silu_mul_kernel
+    return _rms_norm_kernel, _rotary_kernel, _silu_mul_kernel, _add_rms_norm_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,6 +125,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _kernels()[0][(num_rows,)](x, weight, out, x.stride(0), out.stride(0), hidden, eps,
                                       BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, hidden] -> (RMSNorm(x + residual), x + residual), both [T, hidden].
+
+    Why: a decoder layer adds each sublayer's output to the residual stream and normalises
+    the sum right away; one kernel reads x and residual once and writes both results, where
+    the unfused path pays an add kernel plus a second read of the sum (vLLM fuses the same)."""
+    num_rows, hidden = x.shape
+    assert hidden <= MAX_FUSED_HIDDEN and weight.shape == (hidden,)
+    assert residual.shape == x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    if num_rows:
+        block = _pow2(hidden)
+        _kernels()[3][(num_rows,)](x, residual, weight, out, new_residual, x.stride(0),
+                                   residual.stride(0), out.stride(0), new_residual.stride(0),
+                                   hidden, eps, BLOCK=block,
+                                   num_warps=min(16, max(1, block // 512)))
+    return out, new_residual
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
