@@ -363,6 +363,13 @@ def fused_op_checks(device) -> list[str]:
     ref = torch.nn.functional.silu(g) * u
     out = triton_ops.silu_mul(gu).double()
     lines.append(f"fused silu_mul bf16 rel err {((out - ref).norm() / ref.norm()).item():.2e}")
+    r = torch.randn(37, 4096, device=device, generator=gen, dtype=torch.bfloat16) * 5
+    out, res = triton_ops.add_rms_norm(x, r, w, 1e-5)
+    res_ref = x + r  # torch's bf16 add: the fused kernel must round the same way
+    h = res_ref.double()
+    ref = w.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    lines.append(f"fused add_rms_norm bf16: residual bit-exact {torch.equal(res, res_ref)}, "
+                 f"norm rel err {((out.double() - ref).norm() / ref.norm()).item():.2e}")
     return lines
 
 
@@ -423,6 +430,61 @@ def step_time(runner, batch: int, q: int, ctx: int, reps: int) -> tuple[float, f
     return wall, gpu
 
 
+def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
+    """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
+    largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
+    max_num_seqs x (k + 1) logit rows) must run without running out of memory."""
+    import logging
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("specserve.worker.kv_cache")
+    handler, level = Grab(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=4096,
+                  max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+                  speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
+                  enable_prefix_caching=False)
+        t_init = time.perf_counter() - t0
+        lines = [f"engine init {t_init:.1f}s (max_model_len 4096, max_num_seqs 256, "
+                 f"max_num_batched_tokens 8192, k={K_SPEC})"] + records
+        ps = [p * 8 for p in prompts(256)]  # 1024-token prompts: 32 prefill steps of 8192
+        try:
+            rate, outs, _ = run_engine(llm, ps, 32, "mem256")
+            ok = f"ok, {sum(len(o) for o in outs)} tokens, {rate:.0f} tok/s"
+        except torch.OutOfMemoryError as exc:
+            ok = f"OUT OF MEMORY: {str(exc)[:200]}"
+        free_b, total = torch.cuda.mem_get_info()
+        lines.append(f"256 x 1024-token prompts + 32 new tokens with the draft: {ok}")
+        lines.append(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
+                     f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB, "
+                     f"device in use now {(total - free_b) / 2**30:.2f} of "
+                     f"{total / 2**30:.2f} GiB ({100 * (total - free_b) / total:.1f}%)")
+        del llm
+        return lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def finish(args, results: dict) -> int:
+    """Write the log and the results (sections cut short end here too)."""
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_gpu_spec.txt").write_text("\n".join(LOG) + "\n")
+        (args.out / "bench_gpu_spec.json").write_text(json.dumps(results, indent=1,
+                                                                 default=str))
+    return 0
+
+
 def ideal_speedup(a: float, k: int, c: float) -> float:
     if a >= 1.0:
         return (k + 1) / (1 + k * c)
@@ -463,6 +525,11 @@ def main() -> int:
                     help="plain random target (greedy output may flip with kernel choice)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile 64 decode steps at batch 1 (host time per function)")
+    ap.add_argument("--no-spec", action="store_true",
+                    help="skip section 4 (speculation at controlled acceptance)")
+    ap.add_argument("--memory-check", action="store_true",
+                    help="size the KV cache from gpu_memory_utilization (profiling pass) and "
+                         "run a full batch with a draft through it")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
                     help="skip the compile attempt if this many seconds have passed")
     args = ap.parse_args()
@@ -562,58 +629,69 @@ def main() -> int:
     del llm, runner, graphs_saved
     free()
 
+    if args.memory_check and not smoke:
+        say("\n== 5. KV cache sized after the profiling pass (gpu_memory_utilization=0.9)")
+        try:
+            for line in memory_check(target_dir, draft_dir, dname, device, prompts):
+                say(line)
+        except Exception as exc:  # report, never lose the tables above
+            say(f"memory check failed: {type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+        free()
+
     # -- 4. speculation at controlled acceptance
-    llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
-              max_num_seqs=64, kv_cache_memory_bytes=(1 if smoke else 12) << 30,
-              speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
-              speculative_adaptive=True, enable_prefix_caching=False)
-    engine = llm.llm_engine
-    driver = engine.speculation
-    adaptive = driver.adaptive
-    replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)
-    driver.proposer = replay
-    draft_runner = replay.runner
-    b32 = prompts(1 if smoke else 32)
-    for r in (engine.runner, draft_runner):
-        warm_graphs(r, (1, len(b32)))
-    t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30)
-    t_draft, g_draft = step_time(draft_runner, 1, 1, int(avg_ctx), 30)
-    c = t_draft / t_target
-    spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
-            "g_draft": g_draft}
-    rows = []
+    if not args.no_spec:
+        llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
+                  max_num_seqs=64, kv_cache_memory_bytes=(1 if smoke else 12) << 30,
+                  speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
+                  speculative_adaptive=True, enable_prefix_caching=False)
+        engine = llm.llm_engine
+        driver = engine.speculation
+        adaptive = driver.adaptive
+        replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)
+        driver.proposer = replay
+        draft_runner = replay.runner
+        b32 = prompts(1 if smoke else 32)
+        for r in (engine.runner, draft_runner):
+            warm_graphs(r, (1, len(b32)))
+        t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30)
+        t_draft, g_draft = step_time(draft_runner, 1, 1, int(avg_ctx), 30)
+        c = t_draft / t_target
+        spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
+                "g_draft": g_draft}
+        rows = []
 
-    def spec_run(ps, new, acceptance, adaptive_on):
-        driver.adaptive = adaptive if adaptive_on else None
-        replay.acceptance = acceptance
-        replay.reset_counts()
-        rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
-        return rate, outs, replay.per_token_acceptance
+        def spec_run(ps, new, acceptance, adaptive_on):
+            driver.adaptive = adaptive if adaptive_on else None
+            replay.acceptance = acceptance
+            replay.reset_counts()
+            rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
+            return rate, outs, replay.per_token_acceptance
 
-    # calibration: every proposal rejected, so each step commits the target's greedy token at
-    # verification numerics; that continuation is what the replay proposes afterwards
-    _, calib, _ = spec_run(p1, new1, 0.0, False)
-    replay.continuations = {tuple(p1[0]): calib[0]}
-    for a in ACCEPTANCES:
-        rate, outs, acc = spec_run(p1, new1, a, False)
-        ideal = ideal_speedup(acc, K_SPEC, c)
-        rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0]))
-    new32 = 16 if smoke else 128
-    plain32 = dict(thr).get(32) or dict(thr)[8]
-    _, calib32, _ = spec_run(b32, new32, 0.0, False)
-    replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
-    for a in ACCEPTANCES:
-        rate, outs, acc = spec_run(b32, new32, a, True)
+        # calibration: every proposal rejected, so each step commits the target's greedy token at
+        # verification numerics; that continuation is what the replay proposes afterwards
+        _, calib, _ = spec_run(p1, new1, 0.0, False)
+        replay.continuations = {tuple(p1[0]): calib[0]}
+        for a in ACCEPTANCES:
+            rate, outs, acc = spec_run(p1, new1, a, False)
+            ideal = ideal_speedup(acc, K_SPEC, c)
+            rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0]))
+        new32 = 16 if smoke else 128
+        plain32 = dict(thr).get(32) or dict(thr)[8]
+        _, calib32, _ = spec_run(b32, new32, 0.0, False)
+        replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
+        for a in ACCEPTANCES:
+            rate, outs, acc = spec_run(b32, new32, a, True)
+            same = sum(o == r for o, r in zip(outs, calib32, strict=True))
+            rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"), f"{same}/{len(b32)}"))
+        rate, outs, acc = spec_run(b32, new32, 0.9, False)  # the same without adaptivity
         same = sum(o == r for o, r in zip(outs, calib32, strict=True))
-        rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"), f"{same}/{len(b32)}"))
-    rate, outs, acc = spec_run(b32, new32, 0.9, False)  # the same without adaptivity
-    same = sum(o == r for o, r in zip(outs, calib32, strict=True))
-    rows.append((len(b32), "0.9 fixed k", acc, rate, rate / plain32, float("nan"),
-                 f"{same}/{len(b32)}"))
-    spec["rows"] = rows
-    results["spec"] = spec
-    llm = engine = driver = replay = draft_runner = None  # free the engine before compiling
-    free()
+        rows.append((len(b32), "0.9 fixed k", acc, rate, rate / plain32, float("nan"),
+                     f"{same}/{len(b32)}"))
+        spec["rows"] = rows
+        results["spec"] = spec
+        llm = engine = driver = replay = draft_runner = None  # free the engine before compiling
+        free()
 
     # -- 1b. transformers static cache + torch.compile (last: slow and may fail)
     compiled = "skipped"
@@ -667,24 +745,20 @@ def main() -> int:
         say(f"| {b} | graph GPU | {1e3 * g0:.2f} | "
             + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
 
-    say(f"\n== 4. speculative decoding, 1B-shaped draft, k={K_SPEC}, replayed proposals")
-    say(f"c = draft step / target step = {1e3 * t_draft:.2f} / {1e3 * t_target:.2f} ms = {c:.3f}"
-        f" (GPU graph replay: {1e3 * g_draft:.2f} / {1e3 * g_target:.2f} ms)")
-    say("measured a: per-position acceptance, accepted / (accepted + rejections)")
-    say("| batch | target a | measured a | tok/s | speedup | ideal | % of ideal | "
-        "output == calibration |")
-    say("|---|---|---|---|---|---|---|---|")
-    for b, a, acc, rate, sp, ideal, same in rows:
-        pct = f"{100 * sp / ideal:.0f}%" if ideal == ideal else "-"
-        ideal_s = f"{ideal:.2f}x" if ideal == ideal else "-"
-        say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} |")
+    if not args.no_spec:
+        say(f"\n== 4. speculative decoding, 1B-shaped draft, k={K_SPEC}, replayed proposals")
+        say(f"c = draft step / target step = {1e3 * t_draft:.2f} / {1e3 * t_target:.2f} ms = {c:.3f}"
+            f" (GPU graph replay: {1e3 * g_draft:.2f} / {1e3 * g_target:.2f} ms)")
+        say("measured a: per-position acceptance, accepted / (accepted + rejections)")
+        say("| batch | target a | measured a | tok/s | speedup | ideal | % of ideal | "
+            "output == calibration |")
+        say("|---|---|---|---|---|---|---|---|")
+        for b, a, acc, rate, sp, ideal, same in rows:
+            pct = f"{100 * sp / ideal:.0f}%" if ideal == ideal else "-"
+            ideal_s = f"{ideal:.2f}x" if ideal == ideal else "-"
+            say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} |")
     say(f"\ngraphs captured in the verify sweep: {captured}; total {time.perf_counter() - t_start:.0f} s")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_gpu_spec.txt").write_text("\n".join(LOG) + "\n")
-        (args.out / "bench_gpu_spec.json").write_text(json.dumps(results, indent=1,
-                                                                 default=str))
-    return 0
+    return finish(args, results)
 
 
 if __name__ == "__main__":
