@@ -92,7 +92,7 @@ class LLMEngine:
                                           args.cache.enable_prefix_caching)
         k = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
-                                   num_lookahead_slots=k)
+                                   num_lookahead_slots=k, max_model_len=self.max_model_len)
         if not args.enforce_eager:  # no-ops off CUDA; graphs are captured per bucket on first use
             graph_batch = min(sched.max_num_seqs, DEFAULT_MAX_GRAPH_BATCH)
             self.runner.enable_cuda_graphs(graph_batch, k + 1, self.max_model_len)

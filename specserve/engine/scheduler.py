@@ -43,11 +43,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.block_manager = block_manager
         # Speculation verifies k proposals per decoding sequence: each decode reserves k extra
         # KV slots and k extra tokens of budget ("lookahead"); unused ones are rolled back.
+        # A sequence of T tokens can still gain max_model_len - T, so it never needs more than
+        # max_model_len - T - 1 lookahead slots (the last token is never fed back).
         self.num_lookahead_slots = num_lookahead_slots
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -81,6 +85,8 @@ class Scheduler:
             lookahead = 0
             if num_new == seq.num_tokens - seq.num_computed_tokens == 1:
                 lookahead = min(self.num_lookahead_slots, budget - 1)
+                if self.max_model_len is not None:
+                    lookahead = max(0, min(lookahead, self.max_model_len - seq.num_tokens - 1))
             target = seq.num_computed_tokens + num_new + lookahead
             while not bm.can_grow(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop(), out)
