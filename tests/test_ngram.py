@@ -26,7 +26,7 @@ def test_ngram_greedy_equals_plain_and_accepts_repetition(tiny_llama, test_promp
     repetitive = [" ".join([p] * 3) for p in test_prompts[:6]]
     plain = tiny_llm(tiny_llama).generate(repetitive, params, use_tqdm=False)
     llm = tiny_llm(tiny_llama, speculative_model="[ngram]", num_speculative_tokens=5,
-                   ngram_prompt_lookup_max=4)
+                   ngram_prompt_lookup_max=4, speculative_adaptive=False)  # always verify
     spec = llm.generate(repetitive, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.get_metrics()["spec_decode"]["num_draft_tokens"] > 0
@@ -40,3 +40,29 @@ def test_ngram_sampled_requests_work(tiny_llama, test_prompts):
     a = llm.generate(test_prompts[9], params, use_tqdm=False)[0].outputs[0].token_ids
     b = llm.generate(test_prompts[9], params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b and len(a) == 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["[ngram]", "[suffix]"])
+def test_smollm2_repeat_prompt_greedy_equal_and_high_acceptance(smollm2_gguf, method):
+    """SmolLM2 asked to repeat its input: output equals plain decoding, and the draft-free
+    proposals are accepted in long runs (fixed k, so that the proposer is measured, not the
+    adaptive policy)."""
+    from specserve import LLM
+
+    text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor "
+            "jugs. How vexingly quick daft zebras jump!")
+    plain = LLM(model=str(smollm2_gguf), device="cpu", max_model_len=1024)
+    prompt = plain.apply_chat_template([{"role": "user", "content":
+                                         f"Repeat this text exactly, nothing else:\n\n{text}"}])
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    expected = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    del plain
+    extra = {"ngram_prompt_lookup_max": 4} if method == "[ngram]" else {}
+    llm = LLM(model=str(smollm2_gguf), device="cpu", max_model_len=1024,
+              speculative_model=method, num_speculative_tokens=5, speculative_adaptive=False,
+              **extra)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected
+    spec = llm.get_metrics()["spec_decode"]
+    assert spec["mean_acceptance_length"] > 2.5, spec

@@ -139,3 +139,30 @@ def test_sampled_requests_stop_at_max_model_len(tiny_llama, method, single_threa
     assert max(spy.target_positions) < MAX_MODEL_LEN - 1
     assert all(need <= MAX_MODEL_LEN for need, _ in spy.reserved)
 
+
+def test_draft_stops_at_speculative_max_model_len(tiny_llama, single_thread):
+    """Past speculative_max_model_len the draft never runs; the target still reaches its own
+    limit, with output equal to plain decoding."""
+    spec_len = 48
+    plain = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN)
+    prompts = _prompts(plain, [spec_len - room for room in (1, 3, 6)] + [spec_len + 4])
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
+                                        use_tqdm=False)]
+    for method in METHODS:
+        llm = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K,
+                       speculative_max_model_len=spec_len, speculative_adaptive=False,
+                       **METHODS[method](tiny_llama))
+        spy = Spy(llm.llm_engine)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert max(spy.target_positions) < MAX_MODEL_LEN - 1
+        assert all(before + k <= spec_len for before, k in spy.proposals if k)
+        if method == "draft":
+            assert max(spy.draft_positions) < spec_len - 1
+            # truncated, not skipped: a sequence 3 tokens below the limit still speculated
+            assert any(0 < k < K and before + k == spec_len for before, k in spy.proposals)
+        spec = llm.get_metrics()["spec_decode"]
+        assert spec["num_past_spec_max_len"] > 0

@@ -265,7 +265,8 @@ def test_greedy_equals_plain_and_accepts(tiny_llama, test_prompts):
     params = _greedy(40)
     repetitive = [" ".join([p] * 3) for p in test_prompts[:6]]
     plain = _tokens(tiny_llm(tiny_llama).generate(repetitive, params, use_tqdm=False))
-    llm = tiny_llm(tiny_llama, speculative_model="[suffix]", num_speculative_tokens=8)
+    llm = tiny_llm(tiny_llama, speculative_model="[suffix]", num_speculative_tokens=8,
+                   speculative_adaptive=False)  # tests the proposer, not the policy
     assert _tokens(llm.generate(repetitive, params, use_tqdm=False)) == plain
     assert _tokens(llm.generate(repetitive, params, use_tqdm=False)) == plain  # cache warm
     spec = llm.get_metrics()["spec_decode"]
@@ -276,7 +277,8 @@ def test_greedy_equals_plain_and_accepts(tiny_llama, test_prompts):
 
 
 def test_second_identical_request_benefits_from_the_cache(tiny_llama, test_prompts):
-    llm = tiny_llm(tiny_llama, speculative_model="[suffix]", num_speculative_tokens=8)
+    llm = tiny_llm(tiny_llama, speculative_model="[suffix]", num_speculative_tokens=8,
+                   speculative_adaptive=False)  # tests the proposer, not the policy
     first = llm.generate(test_prompts[6], _greedy(40), use_tqdm=False)[0]
     second = llm.generate(test_prompts[6], _greedy(40), use_tqdm=False)[0]
     assert second.outputs[0].token_ids == first.outputs[0].token_ids

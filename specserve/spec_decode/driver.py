@@ -7,6 +7,7 @@ lets the verifier pick the tokens, commits them, and reports back here.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,13 @@ from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
 
 
+@dataclass
+class _Step:
+    batch_size: int  # decoding sequences
+    num_proposals: int
+    pure: bool  # only decode/verify runs, no prompt chunks
+
+
 class SpeculationDriver:
     def __init__(self, spec: SpeculativeConfig, proposer: Proposer, max_model_len: int,
                  spec_max_model_len: int) -> None:
@@ -30,10 +38,18 @@ class SpeculationDriver:
         self.metrics = SpecDecodeMetrics(spec.num_speculative_tokens)
         self.adaptive = (AdaptiveSpeculation(spec.num_speculative_tokens)
                          if spec.adaptive else None)
+        self._shadows: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, declined)
+        self._step: _Step | None = None  # shape of the step being run (for its timing)
+        self._last_was_spec = False
 
     # ---- before the target pass ------------------------------------------------------------
     def _limit(self, s: ScheduledSequence, batch_size: int) -> int:
-        """Hard cap on proposals for one decoding sequence (0: plain decode this step)."""
+        """Hard cap on proposals for one decoding sequence (0: plain decode this step).
+
+        A sequence of T tokens verifies positions T-1 .. T+k-1 and may gain k+1 tokens, so
+        k <= max_model_len - T - 1 keeps every computed position below max_model_len - 1 and
+        the sequence ends exactly at the limit. Proposals also stop at the speculative limit:
+        T + k <= speculative_max_model_len (a draft computes positions up to T + k - 2)."""
         seq, spec = s.seq, self.spec
         if spec.disable_by_batch_size is not None and batch_size >= spec.disable_by_batch_size:
             return 0
@@ -42,8 +58,9 @@ class SpeculationDriver:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         k = min(k, self.max_model_len - seq.num_tokens - 1)
         if k > 0 and seq.num_tokens + k > self.spec_max_model_len:
-            self.metrics.total.num_past_spec_max_len += 1
-            return 0
+            k = self.spec_max_model_len - seq.num_tokens  # truncate at the speculative limit
+            if k <= 0:
+                self.metrics.total.num_past_spec_max_len += 1
         return max(k, 0)
 
     def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence]
@@ -51,16 +68,40 @@ class SpeculationDriver:
         """Proposals per sampled sequence ([] for none) and their distributions ([S, K, V])."""
         proposals: list[list[int]] = [[] for _ in sampled]
         decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
+        seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
-        if self.adaptive is not None and any(ks):
-            other_tokens = sum(s.num_new_tokens for s in scheduled)
-            pinned = [s.seq.params.sampling_type is not SamplingType.GREEDY for _, s in decoding]
-            ks = self.adaptive.plan([s.seq.seq_id for _, s in decoding], ks, other_tokens,
-                                    pinned)
+        self._step = None
+        if self.adaptive is not None and decoding:
+            # Timings of pure decode/verify steps teach the cost model; prompt chunks would
+            # blur them (B: decoding sequences, all of them sampling this step).
+            pure = len(decoding) == len(scheduled) and all(
+                s.num_new_tokens == 1 for s in scheduled)
+            self._step = _Step(len(decoding), 0, pure)
+        if self.adaptive is not None:
+            for seq in seqs:
+                self._resolve_shadow(seq)
         if not any(ks):
             return proposals, None
+        if self.adaptive is not None:
+            pinned = [seq.params.sampling_type is not SamplingType.GREEDY for seq in seqs]
+            ids = [seq.seq_id for seq in seqs]
+            if not self.proposer.has_probs:
+                # Draft-free proposals are cheap: find them first, then keep what pays.
+                found = self.proposer.propose(seqs, ks).token_ids
+                found = [t[:k] for t, k in zip(found, ks, strict=True)]
+                ks = self.adaptive.plan(ids, [len(t) for t in found], pinned=pinned)
+                for (i, _), seq, tokens, k in zip(decoding, seqs, found, ks, strict=True):
+                    proposals[i] = tokens[:k]
+                    if k == 0 and tokens and seq.seq_id not in self._shadows:
+                        # declined: scored later against the tokens that get committed
+                        self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
+                self._step.num_proposals = sum(ks)
+                return proposals, None
+            ks = self.adaptive.plan(ids, ks, pinned=pinned, probe=True)
+            if not any(ks):
+                return proposals, None
         t0 = time.perf_counter()
-        out = self.proposer.propose([s.seq for _, s in decoding], ks)
+        out = self.proposer.propose(seqs, ks)
         if self.adaptive is not None:
             self.adaptive.costs.observe_draft(sum(ks), time.perf_counter() - t0)
         draft_probs = None
@@ -68,14 +109,40 @@ class SpeculationDriver:
             draft_probs = out.probs.new_zeros(len(sampled), *out.probs.shape[1:])
             index = torch.tensor([i for i, _ in decoding], device=out.probs.device)
             draft_probs[index] = out.probs
-        for (i, _), tokens in zip(decoding, out.token_ids, strict=True):
-            proposals[i] = tokens
+        for (i, _), tokens, k in zip(decoding, out.token_ids, ks, strict=True):
+            proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
+        if self._step is not None:
+            self._step.num_proposals = sum(len(p) for p in proposals)
         return proposals, draft_probs
+
+    def _resolve_shadow(self, seq: Sequence) -> None:
+        """Score a declined proposal once the committed tokens decide it: the acceptance a
+        verification would have had (for a point mass, P(accept x) = p(x) = P(sampled == x))."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return
+        start, tokens = shadow
+        committed = seq.token_ids[start : start + len(tokens)]
+        matched = 0
+        while matched < len(committed) and committed[matched] == tokens[matched]:
+            matched += 1
+        if matched < len(committed) or matched == len(tokens):  # a mismatch, or all matched
+            del self._shadows[seq.seq_id]
+            self.adaptive.record(seq.seq_id, len(tokens), matched)
 
     # ---- after it --------------------------------------------------------------------------
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        if self.adaptive is not None:
-            self.adaptive.costs.observe(num_tokens, seconds)
+        """Wall time of the step's target pass (teaches the adaptive cost model)."""
+        step, self._step = self._step, None
+        if self.adaptive is None or step is None:
+            return
+        costs = self.adaptive.costs
+        if step.pure:
+            costs.observe(step.batch_size, step.num_proposals, seconds,
+                          after_spec=self._last_was_spec)
+        if self._last_was_spec:
+            costs.observe_switch(step.num_proposals == 0)
+        self._last_was_spec = step.num_proposals > 0
 
     def on_committed(self, seq: Sequence, metrics: RequestMetrics, num_tokens_before: int,
                      num_proposed: int, num_accepted: int, num_committed: int) -> None:
@@ -91,6 +158,7 @@ class SpeculationDriver:
 
     def free(self, seq: Sequence) -> None:
         self.proposer.free(seq)
+        self._shadows.pop(seq.seq_id, None)
         if self.adaptive is not None:
             self.adaptive.forget(seq.seq_id)
 
