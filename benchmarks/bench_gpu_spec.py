@@ -530,6 +530,9 @@ def main() -> int:
     ap.add_argument("--memory-check", action="store_true",
                     help="size the KV cache from gpu_memory_utilization (profiling pass) and "
                          "run a full batch with a draft through it")
+    ap.add_argument("--spec-only", action="store_true",
+                    help="only what section 4 needs: plain decode at batch 1 and 32, then "
+                         "speculation (skips transformers, eager, the sweeps and compile)")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
                     help="skip the compile attempt if this many seconds have passed")
     args = ap.parse_args()
@@ -574,7 +577,8 @@ def main() -> int:
 
     new1 = 32 if smoke else 256
     p1 = prompts(1)
-    hf_tok_s, hf_tokens = hf_decode_rate(hf_target, p1[0], 16 if smoke else 64, device)
+    hf_tok_s, hf_tokens = (float("nan"), []) if args.spec_only else hf_decode_rate(
+        hf_target, p1[0], 16 if smoke else 64, device)
 
     llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
               max_num_seqs=256, kv_cache_memory_bytes=(1 if smoke else 24) << 30,
@@ -593,15 +597,17 @@ def main() -> int:
     if args.profile:
         profile_decode(llm, p1, args.out)
     graphs_saved = runner.graphs
-    runner.graphs = None
-    eager_tok_s, outs_eager, _ = run_engine(llm, p1, 32, "eager")
-    runner.graphs = graphs_saved
-    say("\n== 0b. 8B graph replay vs eager")
-    for line in graph_vs_eager(llm, device):
-        say(line)
-    say(f"8B greedy, graphs vs enforce_eager path: {agreeing_prefix(outs1[0], outs_eager[0])}"
-        f"/32 tokens agree; vs transformers: "
-        f"{agreeing_prefix(outs1[0], hf_tokens)}/{len(hf_tokens)}")
+    eager_tok_s = float("nan")
+    if not args.spec_only:
+        runner.graphs = None
+        eager_tok_s, outs_eager, _ = run_engine(llm, p1, 32, "eager")
+        runner.graphs = graphs_saved
+        say("\n== 0b. 8B graph replay vs eager")
+        for line in graph_vs_eager(llm, device):
+            say(line)
+        say(f"8B greedy, graphs vs enforce_eager path: "
+            f"{agreeing_prefix(outs1[0], outs_eager[0])}/32 tokens agree; vs transformers: "
+            f"{agreeing_prefix(outs1[0], hf_tokens)}/{len(hf_tokens)}")
     results["decode_b1"] = dict(tok_s=tok_s, eager_tok_s=eager_tok_s, hf_tok_s=hf_tok_s,
                                 bytes_per_token=bytes_tok, roofline_tok_s=roof,
                                 step_wall_s=wall1, step_gpu_s=gpu1)
@@ -609,7 +615,10 @@ def main() -> int:
     # -- 2. throughput
     thr = []
     warm_graphs(runner, (1, 8, 32, 128, 256))
-    for b in ((1, 8) if smoke else (1, 8, 32, 128, 256)):
+    batches = (1, 8) if smoke else (1, 8, 32, 128, 256)
+    if args.spec_only:
+        batches = (1, 8) if smoke else (1, 32)
+    for b in batches:
         ps = p1 if b == 1 else prompts(b)
         rate, _, _ = run_engine(llm, ps, 16 if smoke else 128, f"thr{b}")
         thr.append((b, rate))
@@ -621,7 +630,7 @@ def main() -> int:
     # -- 3. verify cost
     runner.enable_cuda_graphs(256, 9, 1024)
     ver = {}
-    for b in ((1, 2) if smoke else (1, 8, 32)):
+    for b in () if args.spec_only else ((1, 2) if smoke else (1, 8, 32)):
         base = step_time(runner, b, 1, 512, 20)
         ver[b] = [base] + [step_time(runner, b, k + 1, 512, 20) for k in range(1, 9)]
     results["verify"] = {b: v for b, v in ver.items()}
