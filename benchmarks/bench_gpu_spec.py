@@ -53,6 +53,7 @@ from checkpoints import TEST_PROMPTS, build_tiny_checkpoint, build_tokenizer  # 
 
 import specserve.worker.loading as loading  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.outputs import agreeing_prefix  # noqa: E402
 from specserve.spec_decode.benchmark_proposer import ReplayProposer  # noqa: E402
 from specserve.worker.model_runner import SequenceRun  # noqa: E402
 
@@ -250,15 +251,6 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int, label: str):
     outs = [done[r] for r in rids]
     assert all(len(o) == new_tokens for o in outs), [len(o) for o in outs]
     return (total - tokens_at_first) / elapsed, outs, decode_steps
-
-
-def agreeing_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def hf_decode_rate(model, prompt: list[int], new_tokens: int, device) -> tuple[float, list[int]]:

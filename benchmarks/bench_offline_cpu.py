@@ -258,6 +258,8 @@ def main() -> None:
         else:
             engine.generate([prompt], 4)
     if "transformers" in engines:
+        from specserve.outputs import agreeing_prefix
+
         same = (engines["transformers"].generate([prompt], new_tokens)[0]
                 == ours.generate([prompt], new_tokens)[0])
         print(f"batch-1 greedy tokens identical to transformers: {same}")
@@ -265,8 +267,7 @@ def main() -> None:
             if name.startswith("specserve "):
                 ref = engines["transformers"].generate([prompt], new_tokens)[0]
                 got = engine.generate([prompt], new_tokens)[0]
-                agree = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True))
-                              if a != b), len(ref))
+                agree = agreeing_prefix(ref, got)
                 print(f"{name}: first {agree} of {len(ref)} greedy tokens equal transformers'")
 
     bench = Bench(engines, prompt, prompts, new_tokens, args.idle_wait)

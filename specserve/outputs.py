@@ -114,3 +114,17 @@ class RequestOutput:
             f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
             f"finished={self.finished}, metrics={self.metrics})"
         )
+
+
+def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common (the index of the first position
+    where they differ, or the shorter length if one is a prefix of the other).
+
+    Used to compare two greedy continuations of the same prompt (e.g. specserve vs transformers,
+    or one engine path vs another): the first divergence is where their numerics parted ways."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -41,6 +41,7 @@ from checkpoints import (  # noqa: E402  (tests/checkpoints.py, found through sy
 )
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.outputs import agreeing_prefix  # noqa: E402
 
 HIDDEN = 256
 NUM_LAYERS = 2
@@ -76,15 +77,6 @@ def hf_greedy(model, prompt_ids: list[int], new_tokens: int, device: torch.devic
     with torch.no_grad():
         out = model.generate(ids, generation_config=cfg, attention_mask=torch.ones_like(ids))
     return out[0, len(prompt_ids):].tolist()
-
-
-def agreeing_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def free_device_memory() -> None:
