@@ -23,6 +23,20 @@ class KVGeometry:
     head_dim: int
 
 
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters *and* buffers, each storage counted once.
+
+    Buffers count because quantized weights live in them (``quantize_model`` registers the
+    packed int4/int8 codes and their scales as buffers, not parameters), so parameters alone
+    would miss most of a quantized model. Tensors are keyed by data pointer, so a tensor shared
+    between submodules (a tied embedding, or a draft sharing the target's embedding when both
+    sit in one container) is counted once."""
+    seen: dict[int, int] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only LM over flat token batches ([num_tokens]) with paged attention."""
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from specserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
-from specserve.model.base import KVGeometry
+from specserve.model.base import KVGeometry, tensor_bytes
 
 if TYPE_CHECKING:
     from specserve.worker.model_runner import ModelRunner
@@ -61,16 +62,6 @@ def measure_gpu_memory(device: torch.device, weights: int, activation_peak: int,
     return GpuMemoryPlan(total, total - free, weights, activation_peak, utilization)
 
 
-def model_bytes(runners: list[ModelRunner]) -> int:
-    """Bytes of parameters and buffers of the runners' models, shared tensors counted once
-    (a draft may share the target's embedding)."""
-    seen: dict[int, int] = {}
-    for r in runners:
-        for t in list(r.model.parameters()) + list(r.model.buffers()):
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
 def plan_gpu_memory(runners: list[ModelRunner], utilization: float, max_num_tokens: int,
                     max_num_seqs: int, tokens_per_seq: int, max_seq_len: int) -> GpuMemoryPlan:
     """Profile each runner's largest step (before any real cache exists), then measure.
@@ -79,7 +70,10 @@ def plan_gpu_memory(runners: list[ModelRunner], utilization: float, max_num_toke
     the cache must leave free."""
     peak = max(r.profile_peak_memory(max_num_tokens, max_num_seqs, tokens_per_seq, max_seq_len)
                for r in runners)
-    return measure_gpu_memory(runners[0].device, model_bytes(runners), peak, utilization)
+    # One container over all the models, so a tensor they share (a draft may share the
+    # target's embedding) is counted once.
+    weights = tensor_bytes(nn.ModuleList(r.model for r in runners))
+    return measure_gpu_memory(runners[0].device, weights, peak, utilization)
 
 
 def num_blocks_for_budget(cache: CacheConfig, per_block: int, device: torch.device,

@@ -21,11 +21,23 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from specserve.model.base import tensor_bytes
+
 logger = logging.getLogger(__name__)
 
 # Roles a linear layer plays; the output projection is the most sensitive to rounding.
 DECODER_ROLE = "decoder"
 LM_HEAD_ROLE = "lm_head"
+
+
+def copy_bias(linear: nn.Linear) -> nn.Parameter | None:
+    """A frozen copy of ``linear``'s bias for its quantized replacement, or None if it has none.
+
+    Assign it to ``self.bias`` so it is registered as a parameter (bias stays in float; only the
+    weight is quantized)."""
+    if linear.bias is None:
+        return None
+    return nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
 
 class QuantizationMethod(ABC):
@@ -63,8 +75,6 @@ def quantize_model(model: nn.Module, method: QuantizationMethod, device: torch.d
                 continue
             setattr(parent, child_name, new)
             replaced += 1
-    weight_bytes = sum(t.numel() * t.element_size() for t in
-                       list(model.parameters()) + list(model.buffers()))
     logger.info("quantization=%s: %d linear layers quantized, %d kept in float; weights now %.1f "
-                "MiB", method.name, replaced, kept, weight_bytes / 2**20)
+                "MiB", method.name, replaced, kept, tensor_bytes(model) / 2**20)
     return replaced
