@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.model.layers.quantization.base import LM_HEAD_ROLE, QuantizationMethod
+from specserve.model.layers.quantization.base import LM_HEAD_ROLE, QuantizationMethod, copy_bias
 from specserve.model.layers.quantization.int8 import Int8WeightOnlyLinear
 
 GROUP_SIZE = 32
@@ -38,8 +38,7 @@ class Int4WeightOnlyLinear(nn.Module):
         # [K/G, N, 2]: (scale, zero) per group, the kernel's layout
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1)
                              .transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                                   requires_grad=False)
+        self.bias = copy_bias(linear)
         self.in_features, self.out_features = k, n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specserve.model.layers.quantization.base import QuantizationMethod
+from specserve.model.layers.quantization.base import QuantizationMethod, copy_bias
 
 _QMAX = 127
 
@@ -35,8 +35,7 @@ class Int8WeightOnlyLinear(nn.Module):
         codes, scale = _per_channel_int8(linear.weight)
         self.register_buffer("weight_int8", codes)  # [N, K]
         self.register_buffer("scale", scale.to(torch.bfloat16))  # [N]
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                                   requires_grad=False)
+        self.bias = copy_bias(linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
@@ -51,8 +50,7 @@ class DynamicInt8Linear(nn.Module):
         codes, scale = _per_channel_int8(linear.weight)
         self.register_buffer("weight_t", codes.t().contiguous())  # [K, N] for _int_mm
         self.register_buffer("scale", scale)  # [N]
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                                   requires_grad=False)
+        self.bias = copy_bias(linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
