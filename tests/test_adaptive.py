@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.adaptive import (
+    MAX_PROBE_INTERVAL,
     PLAIN_EXPIRY,
     PROBE_INTERVAL,
     AdaptiveSpeculation,
@@ -25,11 +26,27 @@ CPU_RATIOS = {1: 1.10, 2: 1.22, 3: 2.10, 4: 2.25, 5: 2.30}
 def _policy(ratio, batches=(1,), k: int = 5) -> AdaptiveSpeculation:
     """A policy whose cost model has measured t(B, p) = PLAIN_SECONDS * ratio(B, p)."""
     policy = AdaptiveSpeculation(k)
+    policy.cost_curve = (ratio, batches)
+    _measure(policy)
+    return policy
+
+
+def _measure(policy: AdaptiveSpeculation) -> None:
+    ratio, batches = policy.cost_curve
     for b in batches:
-        for p in range(0, b * k + 1):
+        for p in range(0, b * policy.max_k + 1):
             for _ in range(3):
                 policy.costs.observe(b, p, PLAIN_SECONDS * ratio(b, p), after_spec=False)
-    return policy
+
+
+def _plans(policy: AdaptiveSpeculation, steps: int, *args, **kwargs) -> list[list[int]]:
+    """plan() for many steps while the engine keeps measuring (samples expire otherwise)."""
+    plans = []
+    for step in range(steps):
+        if step % 50 == 0:
+            _measure(policy)
+        plans.append(policy.plan(*args, **kwargs))
+    return plans
 
 
 def _train(policy: AdaptiveSpeculation, seq_id: int, rate: float, steps: int = 40) -> None:
@@ -92,15 +109,54 @@ def test_switch_penalty_is_charged():
     assert policy.plan([1], [1]) == [0]  # ... but not for 1.05 + 0.3
 
 
-def test_explores_larger_k_one_doubling_at_a_time():
-    policy = AdaptiveSpeculation(8)
-    _train(policy, 1, 1.0)
-    assert policy.plan([1], [8]) == [0]  # plain decoding at this batch size not measured yet
-    policy.costs.observe(1, 0, PLAIN_SECONDS, after_spec=False)
-    for measured_up_to in (1, 3, 7, 8):
-        k = policy.plan([1], [8])[0]
-        assert k == measured_up_to
-        policy.costs.observe(1, k, PLAIN_SECONDS * 1.01, after_spec=False)
+def test_explores_with_an_optimistic_cost_bound():
+    """Past the largest measured p the cost is taken as the last measured ratio (a lower
+    bound): a draft model's pass is a fixed cost per step that only many proposals amortize,
+    so a batch of 32 must try all of them once to find out, and back off if it does not pay."""
+    batch = list(range(32))
+    policy = AdaptiveSpeculation(4)
+    assert policy.plan(batch, [4] * 32) == [0] * 32  # plain decoding not measured yet
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    policy.costs.observe(32, 1, PLAIN_SECONDS * 1.3, after_spec=False)  # one probe: +30 %
+    for seq_id in batch:
+        _train(policy, seq_id, 0.9)
+    assert policy.plan(batch, [4] * 32) == [4] * 32  # untried: could pay, so it is tried
+    draft_curve = 2.85  # measured for 128 proposals (fixed cost + a little per proposal)
+    policy.costs.observe(32, 128, PLAIN_SECONDS * draft_curve, after_spec=False)
+    assert policy.plan(batch, [4] * 32) == [4] * 32  # 0.9 acceptance: 131 tokens for 2.85
+    for seq_id in batch:
+        _train(policy, seq_id, 0.3)
+    assert policy.plan(batch, [4] * 32) == [0] * 32  # 0.3: 46 tokens for 2.85 steps: no
+
+
+def test_probe_interval_doubles_until_the_sequence_speculates_again():
+    policy = _policy(lambda b, p: 1.0 + 0.001 * p)
+    policy.acceptance[3] = [0.0, 0.0]  # never accepts (and no rejections recorded yet)
+    gaps, last = [], 0
+    for step in range(1, 16 * PROBE_INTERVAL):
+        if step % 50 == 0:
+            _measure(policy)
+        if policy.plan([3], [5], probe=True)[0]:
+            gaps.append(step - last)
+            last = step
+            policy.record(3, 1, 0)  # rejected
+    assert gaps[:4] == [PROBE_INTERVAL, PROBE_INTERVAL * 2, PROBE_INTERVAL * 4,
+                        PROBE_INTERVAL * 8]
+    assert policy.probe_interval[3] == PROBE_INTERVAL * 16
+    _train(policy, 3, 1.0)  # its text became predictable: it speculates on its merits
+    assert policy.plan([3], [5], probe=True)[0] == 5
+    assert 3 not in policy.probe_interval  # back to probing every PROBE_INTERVAL steps
+
+
+def test_probes_are_charged_what_a_draft_catch_up_costs():
+    policy = _policy(lambda b, p: 1.0 + 0.001 * p)
+    _train(policy, 3, 0.0)
+    policy.costs.observe_catch_up(1, PLAIN_SECONDS * 2.5)  # > 2 tokens for 1 probe: never
+    assert not any(k[0] for k in _plans(policy, 4 * PROBE_INTERVAL, [3], [5], probe=True))
+    policy = _policy(lambda b, p: 1.0 + 0.001 * p)
+    _train(policy, 3, 0.0)
+    policy.costs.observe_catch_up(1, PLAIN_SECONDS * 1.5)  # up to 2 tokens for 1.5: worth it
+    assert any(k[0] for k in _plans(policy, 4 * PROBE_INTERVAL, [3], [5], probe=True))
 
 
 def test_samples_expire():
@@ -143,8 +199,22 @@ def test_limits_pinning_and_probes():
     assert policy.plan([62], [5]) == [0]
     # Plan-first proposers (draft models): a sequence that stopped gets a probe now and then.
     _train(policy, 3, 0.0)
-    plans = [policy.plan([3], [5], probe=True)[0] for _ in range(PROBE_INTERVAL)]
+    plans = [k[0] for k in _plans(policy, PROBE_INTERVAL, [3], [5], probe=True)]
     assert plans[:-1] == [0] * (PROBE_INTERVAL - 1) and plans[-1] == 1
+
+
+def test_no_probes_where_even_a_sure_proposal_costs_more_than_it_brings():
+    """At batch 32 a proposal that adds 5 % to the step can bring at most 1/32 ~ 3 % more
+    tokens: probing there would only slow the batch down (and make a draft catch up)."""
+    policy = _policy(lambda b, p: 1.0 + 0.05 * p if b == 32 else 1.0 + 0.001 * p,
+                     batches=(1, 32))
+    big = list(range(100, 132))
+    for seq_id in big:
+        _train(policy, seq_id, 0.0)
+    plans = _plans(policy, 2 * MAX_PROBE_INTERVAL, big, [5] * 32, probe=True)
+    assert all(k == [0] * 32 for k in plans)
+    # The same idle sequences alone (batch 1, verification nearly free) are probed.
+    assert [1] in _plans(policy, MAX_PROBE_INTERVAL, [100], [5], probe=True)
 
 
 def _fake_seq(seq_id: int, tokens: list[int]):
@@ -179,3 +249,19 @@ def test_declined_draft_free_proposals_are_scored_for_free():
     assert driver.adaptive.acceptance[1] == [first + 0.3 * (1 - first), cont + 0.3 * (0.5 - cont)]
     assert driver.adaptive.global_acceptance == [first + 0.05 * (1 - first),
                                                  cont + 0.05 * (0.5 - cont)]
+
+
+def test_continuation_rate_is_optimistic_until_tried():
+    """A sequence that has only proposed one token at a time has never tried a continuation:
+    its c is taken as at least its first-proposal rate until it has, or a draft pass that only
+    pays when amortized over k = 4 (batch 32) would never be tried deep enough to learn c."""
+    draft = _policy(lambda b, p: 1.0 if p == 0 else 1.8 + 0.008 * p, batches=(32,), k=4)
+    batch = list(range(32))
+    for seq_id in batch:
+        for _ in range(20):
+            draft.record(seq_id, 1, 1)  # single proposals, all accepted
+    assert draft.plan(batch, [4] * 32) == [4] * 32
+    for seq_id in batch:  # deep proposals now tried: mostly only the first is accepted
+        for _ in range(20):
+            draft.record(seq_id, 4, 1)
+    assert draft.plan(batch, [4] * 32) == [0] * 32

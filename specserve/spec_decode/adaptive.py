@@ -14,8 +14,10 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   P(sampled token == x) = p(x) is exactly the acceptance probability of a point-mass proposal);
   the averages keep tracking the text without any verification cost and no probes are needed.
   New sequences start from the engine-wide averages.
-* **What it costs, measured on this machine.** ``StepCosts`` learns the wall time of the
-  target pass as a function of the batch size B and the number of proposals p in it: the plain
+* **What it costs, measured on this machine.** ``StepCosts`` learns the wall time of a
+  whole engine step (target pass, a draft model's passes, and the host work per sequence and per
+  emitted token, which dominates on a GPU at large batches) as a function of the batch size B
+  and the number of proposals p in it: the plain
   decode time per B, and for speculative steps the ratio t(B, p) / t(B, 0) per (B, p) bucket,
   each the fastest of its recent samples (other load only ever slows a step down). It also
   measures the extra cost of a plain step right after a speculative one (a CPU backend may
@@ -24,9 +26,14 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   batch extra query tokens are nearly free and the ratios say so; on a CPU a pass over k+1
   tokens costs 1.5-2x a decode from k = 3 and they say that; at large batches every token
   costs and speculation backs off. Unmeasured (B, p) are interpolated between measured ones;
-  past the largest measured p they are extrapolated along the secant from (0, 1) up to 2p + 1
-  (so that larger k gets measured when it promises to pay, one doubling at a time) and not
-  tried beyond. Samples expire, so the estimates follow the machine's load.
+  past the largest measured p the last measured ratio is used, a lower bound (optimism: a
+  larger p is tried once whenever it could pay, and then it is measured). Samples expire, so
+  the estimates follow the machine's load.
+* **Probes.** A draft model's declined proposals cannot be scored for free, so a sequence that
+  stopped proposing gets a one-token probe after PROBE_INTERVAL idle steps (the interval doubles
+  with each probe until the sequence speculates on its merits again), and only as many probes
+  run as could pay if all were accepted, charged at least what a step in which the draft catches
+  up on skipped tokens was measured to cost.
 
 Each step the candidate proposals are sorted by that gain (most likely accepted first) and the
 policy keeps the prefix with the highest predicted tokens/second, none if plain decoding is
@@ -52,6 +59,8 @@ PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before a
 GLOBAL_EMA_WEIGHT = 0.05  # the engine-wide acceptance average that new sequences start from
 PINNED_MIN_GAIN = 0.3  # a pinned sequence proposes j tokens while their gain stays above this
 PROBE_INTERVAL = 16  # plan-first proposers (draft model): steps between one-token probes
+MAX_PROBE_INTERVAL = 256  # ... after repeated rejections
+MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
@@ -92,7 +101,8 @@ class StepCosts:
     ratio: dict[tuple[int, int], _Samples] = field(default_factory=dict)  # (bucket, p) -> t/t0
     after: dict[int, _Samples] = field(default_factory=dict)  # bucket -> plain-after-spec / t0
     switch_rate: float = 1.0  # how often a speculative step is followed by a plain one
-    draft_cost_per_token: float = 0.0  # seconds per proposal (draft models), from propose()
+    catch_up: dict[int, _Samples] = field(default_factory=dict)  # bucket -> t / t0 of steps
+    # in which a draft model caught up on many tokens (its prefill, or after idle steps)
 
     # ---- observations ----------------------------------------------------------------------
     def observe(self, batch_size: int, num_proposals: int, seconds: float,
@@ -111,14 +121,20 @@ class StepCosts:
             key = (b, proposal_bucket(num_proposals))
             self.ratio.setdefault(key, _Samples()).add(self.step, (num_proposals, seconds / t0))
 
+    def observe_catch_up(self, batch_size: int, seconds: float) -> None:
+        """A step in which the draft caught up on tokens it skipped: what a probe costs."""
+        t0 = self.plain_time(batch_size)
+        if t0 is not None:
+            self.catch_up.setdefault(batch_bucket(batch_size), _Samples()).add(
+                self.step, seconds / t0)
+
+    def catch_up_ratio(self, batch_size: int) -> float:
+        samples = self.catch_up.get(batch_bucket(batch_size))
+        r = None if samples is None else samples.low(self.step, RATIO_EXPIRY)
+        return 1.0 if r is None else r
+
     def observe_switch(self, switched_off: bool) -> None:
         self.switch_rate = 0.9 * self.switch_rate + 0.1 * float(switched_off)
-
-    def observe_draft(self, num_proposals: int, seconds: float) -> None:
-        if num_proposals:
-            per_token = seconds / num_proposals
-            self.draft_cost_per_token = (per_token if self.draft_cost_per_token == 0.0 else
-                                         0.8 * self.draft_cost_per_token + 0.2 * per_token)
 
     # ---- estimates -------------------------------------------------------------------------
     def plain_time(self, batch_size: int) -> float | None:
@@ -166,10 +182,13 @@ def proposal_bucket(p: int) -> int:
     return 8 + round(4 * math.log2(p / 8))
 
 
-def _cost_ratio(points: list[tuple[float, float]], p: int) -> float | None:
-    """t(B, p) / t(B, 0) from measured points, linear in between. Past the largest measured
-    p = x it is extrapolated up to 2x + 1 (how larger k gets measured at all, one doubling per
-    step that tries it) and unknown (None: not allowed) beyond."""
+def _cost_ratio(points: list[tuple[float, float]], p: int) -> float:
+    """t(B, p) / t(B, 0) from measured points, linear in between. Past the largest measured p
+    it is the last measured ratio: a lower bound (a step never gets cheaper with more
+    proposals), so a larger p is tried whenever it could pay and is measured by trying it.
+    Optimism is what makes a draft model ever start at a large batch: its pass is a fixed cost
+    per step that only many proposals amortize, so extending the first point's slope would
+    never get there."""
     xs = [x for x, _ in points]
     i = bisect.bisect_left(xs, p)
     if i < len(points):
@@ -177,13 +196,7 @@ def _cost_ratio(points: list[tuple[float, float]], p: int) -> float | None:
             return points[i][1]
         (x0, y0), (x1, y1) = points[i - 1], points[i]
         return y0 + (y1 - y0) * (p - x0) / (x1 - x0)
-    x_last, y_last = points[-1]
-    if p > 2 * x_last + 1:
-        return None
-    # Extended along the secant from plain decoding (0, 1) through the last measured point:
-    # each further proposal costs what the measured ones cost on average.
-    slope = max(y_last - 1.0, 0.0) / x_last if x_last else 0.0
-    return y_last + slope * (p - x_last)
+    return points[-1][1]
 
 
 @dataclass
@@ -197,6 +210,10 @@ class AdaptiveSpeculation:
     global_acceptance: list[float] = field(
         default_factory=lambda: [PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE])
     idle_steps: dict[int, int] = field(default_factory=dict)  # seq_id -> steps without proposing
+    # seq_id -> idle steps before the next probe: doubles with every probe (up to
+    # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
+    probe_interval: dict[int, int] = field(default_factory=dict)
+    continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
 
     # ---- acceptance ------------------------------------------------------------------------
     def record(self, seq_id: int, num_proposed: int, num_accepted: int) -> None:
@@ -207,6 +224,7 @@ class AdaptiveSpeculation:
         first = float(num_accepted > 0)
         # Continuations tried: proposals 2.. whose predecessor was accepted.
         trials = min(num_accepted, num_proposed - 1)
+        self.continuation_trials[seq_id] = self.continuation_trials.get(seq_id, 0) + trials
         for target in (est, self.global_acceptance):
             w = EMA_WEIGHT if target is est else GLOBAL_EMA_WEIGHT
             target[0] += w * (first - target[0])
@@ -216,13 +234,24 @@ class AdaptiveSpeculation:
     def forget(self, seq_id: int) -> None:
         self.acceptance.pop(seq_id, None)
         self.idle_steps.pop(seq_id, None)
+        self.probe_interval.pop(seq_id, None)
+        self.continuation_trials.pop(seq_id, None)
 
     def _acceptance(self, seq_id: int, pinned: bool) -> list[float]:
         """A sequence's averages, started at its first plan: pinned ones from a fixed prior
         (their k must never depend on what other requests did), others from the engine-wide
-        averages."""
+        averages.
+
+        Until a sequence has tried MIN_CONTINUATION_TRIALS continuations its continuation rate
+        is taken as at least its first-proposal rate: c is only learned by proposing two or
+        more tokens, and a pessimistic prior would keep it proposing one token forever (where
+        one proposal does not pay for a draft pass, as at large batches, it would never
+        speculate at all)."""
         prior = [PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE] if pinned else self.global_acceptance
-        return self.acceptance.setdefault(seq_id, list(prior))
+        est = self.acceptance.setdefault(seq_id, list(prior))
+        if self.continuation_trials.get(seq_id, 0) < MIN_CONTINUATION_TRIALS:
+            return [est[0], max(est)]
+        return est
 
     @staticmethod
     def gain(acceptance: list[float], j: int) -> float:
@@ -234,8 +263,8 @@ class AdaptiveSpeculation:
              probe: bool = False) -> list[int]:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). probe=True gives a sequence that
-        has not proposed for PROBE_INTERVAL steps one proposal (plan-first proposers, whose
-        declined proposals cannot be scored for free)."""
+        has not proposed for PROBE_INTERVAL steps one proposal when that could pay
+        (plan-first proposers, whose declined proposals cannot be scored for free)."""
         self.costs.step += 1
         n = len(seq_ids)
         pinned = pinned or [False] * n
@@ -252,50 +281,82 @@ class AdaptiveSpeculation:
         if candidates:
             self._choose(n, ks, accept, candidates)
         if probe:
-            self._probe(seq_ids, limits, ks)
+            self._probe(seq_ids, limits, ks, accept, pinned)
         return ks
+
+    def _step_cost(self, n: int):
+        """cost(p): a step with p proposals over a batch of n, in plain steps; None if plain
+        decoding at n is not measured yet."""
+        if self.costs.plain_time(n) is None:
+            return None
+        points = self.costs.ratio_curve(n)
+        penalty = self.costs.switch_penalty(n)
+
+        def cost(p: int) -> float:
+            return 1.0 if p == 0 else _cost_ratio(points, p) + penalty
+
+        return cost
+
+    def _expected(self, n: int, ks: list[int], accept: list[list[float]]) -> float:
+        """Expected tokens a step emits when sequence i proposes ks[i] tokens."""
+        return n + sum(sum(self.gain(a, j) for j in range(1, k + 1))
+                       for a, k in zip(accept, ks, strict=True))
 
     def _choose(self, n: int, ks: list[int], accept: list[list[float]],
                 candidates: list[tuple[float, int, int]]) -> None:
         """Extend ks by the prefix of candidates with the best predicted tokens per second."""
-        t0 = self.costs.plain_time(n)
-        if t0 is None:
+        cost = self._step_cost(n)
+        if cost is None:
             return  # this batch size has not been measured yet: this plain step measures it
-        points = self.costs.ratio_curve(n)
-        penalty = self.costs.switch_penalty(n)
-        draft = self.costs.draft_cost_per_token / t0
-
-        def cost(p: int) -> float | None:  # in plain-step units
-            if p == 0:
-                return 1.0
-            ratio = _cost_ratio(points, p)
-            return None if ratio is None else ratio + penalty + draft * p
-
         fixed = sum(ks)  # pinned proposals
-        expected = n + sum(sum(self.gain(a, j) for j in range(1, k + 1))
-                           for a, k in zip(accept, ks, strict=True))
-        base = cost(fixed)
-        if base is None:  # pinned proposals alone go past what was measured: explore no further
-            return
-        best_rate, best_m = expected / base * (MIN_GAIN if fixed == 0 else 1.0), 0
+        expected = self._expected(n, ks, accept)
+        best_rate, best_m = expected / cost(fixed) * (MIN_GAIN if fixed == 0 else 1.0), 0
         candidates.sort(key=lambda c: (-c[0], c[1]))  # j-th before (j+1)-th of a sequence
         for m, (gain, _, _) in enumerate(candidates, start=1):
             expected += gain
             c = cost(fixed + m)
-            if c is None:
-                break
             if expected / c > best_rate:
                 best_rate, best_m = expected / c, m
         for _, j, i in candidates[:best_m]:
             ks[i] = max(ks[i], j)
 
-    def _probe(self, seq_ids: list[int], limits: list[int], ks: list[int]) -> None:
+    def _probe(self, seq_ids: list[int], limits: list[int], ks: list[int],
+               accept: list[list[float]], pinned: list[bool]) -> None:
+        """One-token probes for sequences idle for PROBE_INTERVAL steps, but only as many as
+        could pay if every probe were accepted: where even a sure proposal costs more than it
+        brings (a large batch, a slow draft) a probe would only slow the step down (and make
+        the draft catch up on every token it skipped)."""
+        due = []
         for i, seq_id in enumerate(seq_ids):
             if ks[i] > 0:
                 self.idle_steps[seq_id] = 0
+                self.probe_interval.pop(seq_id, None)
                 continue
             idle = self.idle_steps.get(seq_id, 0) + 1
             self.idle_steps[seq_id] = idle
-            if idle >= PROBE_INTERVAL and limits[i] > 0:
-                ks[i] = 1
-                self.idle_steps[seq_id] = 0
+            if idle >= self.probe_interval.get(seq_id, PROBE_INTERVAL) and limits[i] > 0:
+                if pinned[i]:  # on its own schedule only: never on timings or batch mates
+                    self._start_probe(seq_id, ks, i)
+                else:
+                    due.append(i)
+        n = len(seq_ids)
+        cost = self._step_cost(n)
+        if not due or cost is None:
+            return
+        fixed = sum(ks)
+        expected = self._expected(n, ks, accept)
+        best_rate, probes = expected / cost(fixed) * (MIN_GAIN if fixed == 0 else 1.0), 0
+        # A probe after idle steps makes the draft catch up on them: a step that costs what
+        # such steps were measured to cost, at least.
+        catch_up = self.costs.catch_up_ratio(n)
+        for m in range(1, len(due) + 1):
+            if (expected + m) / max(cost(fixed + m), catch_up) > best_rate:
+                probes = m
+        for i in due[:probes]:
+            self._start_probe(seq_ids[i], ks, i)
+
+    def _start_probe(self, seq_id: int, ks: list[int], i: int) -> None:
+        ks[i] = 1
+        self.idle_steps[seq_id] = 0
+        self.probe_interval[seq_id] = min(2 * self.probe_interval.get(seq_id, PROBE_INTERVAL),
+                                          MAX_PROBE_INTERVAL)

@@ -82,6 +82,7 @@ class DraftModelProposer(Proposer):
         device = self.runner.device
         probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
                             device=device)
+        catch_up = 0
         for step in range(k_max):
             active = [i for i, k in enumerate(ks) if k > step]
             runs = []
@@ -90,6 +91,7 @@ class DraftModelProposer(Proposer):
                 if step == 0:
                     start = shadow.num_computed_tokens
                     tokens = seqs[i].token_ids[start:]
+                    catch_up += max(len(tokens) - 2, 0)
                 else:
                     start = seqs[i].num_tokens + step - 1
                     tokens = [proposals[i][-1]]
@@ -102,7 +104,7 @@ class DraftModelProposer(Proposer):
                 probs[i, step] = step_probs[row]
                 shadow = self.shadows[seqs[i].seq_id]
                 shadow.num_computed_tokens = seqs[i].num_tokens + step
-        return DraftProposals(proposals, probs)
+        return DraftProposals(proposals, probs, catch_up)
 
     def _sample(self, seqs: list[Sequence], drafted: list[list[int]], logits: torch.Tensor):
         """Draw each proposal from the draft's distribution under the request's transforms."""

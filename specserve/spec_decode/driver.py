@@ -6,7 +6,6 @@ lets the verifier pick the tokens, commits them, and reports back here.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +19,15 @@ from specserve.spec_decode.metrics import SpecDecodeMetrics
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
 
+CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a typical step
+
 
 @dataclass
 class _Step:
     batch_size: int  # decoding sequences
     num_proposals: int
     pure: bool  # only decode/verify runs, no prompt chunks
+    catch_up: bool = False  # a draft model caught up on many skipped tokens
 
 
 class SpeculationDriver:
@@ -100,10 +102,7 @@ class SpeculationDriver:
             ks = self.adaptive.plan(ids, ks, pinned=pinned, probe=True)
             if not any(ks):
                 return proposals, None
-        t0 = time.perf_counter()
         out = self.proposer.propose(seqs, ks)
-        if self.adaptive is not None:
-            self.adaptive.costs.observe_draft(sum(ks), time.perf_counter() - t0)
         draft_probs = None
         if out.probs is not None:
             draft_probs = out.probs.new_zeros(len(sampled), *out.probs.shape[1:])
@@ -113,6 +112,12 @@ class SpeculationDriver:
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
         if self._step is not None:
             self._step.num_proposals = sum(len(p) for p in proposals)
+            if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):
+                # The draft prefilled or caught up on many tokens: a one-time cost that would
+                # make every step with this many proposals look dear while the sample lives.
+                # (Small catch-ups, after a step or two of plain decoding, are measured.)
+                self._step.catch_up = self._step.pure  # what a probe costs (no prefill mixed in)
+                self._step.pure = False
         return proposals, draft_probs
 
     def _resolve_shadow(self, seq: Sequence) -> None:
@@ -131,8 +136,9 @@ class SpeculationDriver:
             self.adaptive.record(seq.seq_id, len(tokens), matched)
 
     # ---- after it --------------------------------------------------------------------------
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """Wall time of the step's target pass (teaches the adaptive cost model)."""
+    def observe_step(self, seconds: float) -> None:
+        """Wall time of the whole engine step (teaches the adaptive cost model): the target
+        pass, a draft model's passes, and the host work per sequence and per emitted token."""
         step, self._step = self._step, None
         if self.adaptive is None or step is None:
             return
@@ -140,6 +146,8 @@ class SpeculationDriver:
         if step.pure:
             costs.observe(step.batch_size, step.num_proposals, seconds,
                           after_spec=self._last_was_spec)
+        elif step.catch_up:
+            costs.observe_catch_up(step.batch_size, seconds)
         if self._last_was_spec:
             costs.observe_switch(step.num_proposals == 0)
         self._last_was_spec = step.num_proposals > 0

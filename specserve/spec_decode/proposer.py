@@ -21,6 +21,10 @@ class DraftProposals:
     # [S, K, V] float32 proposal distributions after the request's sampling transforms, or
     # None when proposals are point masses (q(x) = 1): n-gram lookup, suffix trees.
     probs: torch.Tensor | None = None
+    # Tokens a draft model fed beyond the usual two per sequence (last proposal + bonus): its
+    # prompt prefill, or catching up on steps it sat out. A one-time cost, not what a step
+    # with these proposals costs from then on.
+    num_catch_up_tokens: int = 0
 
     @property
     def num_tokens(self) -> list[int]:
