@@ -93,6 +93,9 @@ class LLMEngine:
         k = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
                                    num_lookahead_slots=k, max_model_len=self.max_model_len)
+        self.runner.warm_up_kernels(self.max_model_len)  # no-ops off CUDA
+        if draft_runner is not None:
+            draft_runner.warm_up_kernels(spec_max_model_len)
         if not args.enforce_eager:  # no-ops off CUDA; graphs are captured per bucket on first use
             graph_batch = min(sched.max_num_seqs, DEFAULT_MAX_GRAPH_BATCH)
             self.runner.enable_cuda_graphs(graph_batch, k + 1, self.max_model_len)

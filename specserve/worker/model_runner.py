@@ -20,6 +20,11 @@ from specserve.worker.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
+# warm_up_kernels: query runs whose q x group rows round to every power-of-two tile (for any
+# group size 1..8), over a context that is not split, one split in <= 16 and one in > 16 parts
+WARM_UP_QUERY_LENS = (1, 2, 3, 5, 9, 17, 33, 65, 129)
+WARM_UP_CONTEXTS = (16, 300, 2100)
+
 
 @dataclass
 class SequenceRun:
@@ -99,6 +104,35 @@ class ModelRunner:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._bind([(empty, empty)] * len(list(self.model.attention_layers())))
         return peak
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_seq_len: int) -> float:
+        """Compile now the attention kernel variants that eager steps can meet; returns the
+        seconds it took (0 off CUDA).
+
+        Why: the Triton attention kernel is specialized on its tile (query run length x
+        group heads, rounded to a power of two) and on whether the context is split; each
+        variant compiles the first time a step needs it, 0.3-0.9 s on an H200. CUDA graphs
+        cover decode and verify steps, but eager steps (a draft catching up after steps it
+        sat out, prefill chunks) meet new variants at unpredictable times: a stall in the
+        middle of serving, and one the adaptive policy would mistake for the cost of
+        speculating. Runs one-sequence steps of every tile size over a short, a split and a
+        long split context. Call after init_kv_cache, before any request: the dummy runs
+        write K/V into blocks that no sequence owns yet."""
+        if self.device.type != "cuda" or self.num_blocks == 0:
+            return 0.0
+        t0 = time.perf_counter()
+        bs = self.block_size
+        for q in WARM_UP_QUERY_LENS:
+            for context in WARM_UP_CONTEXTS:
+                blocks = -(-(context + q) // bs)
+                if context + q > max_seq_len or blocks > self.num_blocks:
+                    continue
+                self.execute([SequenceRun([0] * q, context, list(range(blocks)), [q - 1])])
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        logger.info("attention kernels warmed up in %.2fs", seconds)
+        return seconds
 
     def _bind(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # A fresh backend per cache: backends may keep state about the cache across steps.

@@ -198,7 +198,9 @@ class TritonAttentionBackend(AttentionBackend):
             kernels.reduce_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, shape.num_splits, num_heads,
                 out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=_pow2(shape.num_splits),
+                # two variants only (each new one is a compile in the middle of serving)
+                HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_S=16 if shape.num_splits <= 16 else _pow2(MAX_SPLITS),
                 num_warps=4,
             )
         return out

@@ -60,7 +60,10 @@ def write_kv_kernel(
                  + d[None, :], v, mask=mask)
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would
+# otherwise compile a variant per value class, ==1 or divisible by 16, each ~0.3-0.8 s the first
+# time an eager step meets it: a stall in the middle of serving).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -163,7 +166,7 @@ def paged_attention_kernel(
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def reduce_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     num_splits, num_heads, stride_ot, stride_oh,
