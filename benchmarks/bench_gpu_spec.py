@@ -31,6 +31,7 @@ matmul rate (8192^3). Then:
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -73,6 +74,7 @@ WALK_HEAD_STD = 0.01
 PROMPT_LEN = 128
 K_SPEC = 4
 ACCEPTANCES = (0.5, 0.7, 0.9)
+STALL_SECONDS = 0.1  # an engine step this slow is a one-time compile, not the policy's doing
 LOG: list[str] = []
 
 
@@ -477,6 +479,26 @@ def finish(args, results: dict) -> int:
     return 0
 
 
+COMPILED: list[tuple[str, str]] = []  # (kernel, specialization) of each Triton compile
+
+
+def log_triton_compiles() -> None:
+    """Record every Triton JIT compile (the in-memory cache missed): which kernel variants an
+    eager step meets for the first time in the middle of a run."""
+    import triton
+
+    def hook(*, key, repr, fn, compile, **_):
+        consts = {k: v for k, v in compile.get("constants", {}).items()
+                  if not str(k).startswith("(")}
+        COMPILED.append((fn.name, " ".join(str(key).split())[:600] + f" constants={consts}"))
+        return False  # compile as usual
+
+    try:
+        triton.knobs.runtime.jit_cache_hook = hook
+    except AttributeError:
+        say("this Triton has no knobs.runtime.jit_cache_hook: compiles not logged")
+
+
 def ideal_speedup(a: float, k: int, c: float) -> float:
     if a >= 1.0:
         return (k + 1) / (1 + k * c)
@@ -525,10 +547,14 @@ def main() -> int:
     ap.add_argument("--spec-only", action="store_true",
                     help="only what section 4 needs: plain decode at batch 1 and 32, then "
                          "speculation (skips transformers, eager, the sweeps and compile)")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
                     help="skip the compile attempt if this many seconds have passed")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.log_compiles:
+        log_triton_compiles()
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     import transformers
@@ -653,20 +679,35 @@ def main() -> int:
         driver.proposer = replay
         draft_runner = replay.runner
         b32 = prompts(1 if smoke else 32)
-        for r in (engine.runner, draft_runner):
-            warm_graphs(r, (1, len(b32)))
+        for r in (engine.runner, draft_runner):  # adaptive k: any rung up to 32 may run
+            warm_graphs(r, [b for b in r.graphs.ladder if b <= len(b32)] if r.graphs else ())
         t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30)
         t_draft, g_draft = step_time(draft_runner, 1, 1, int(avg_ctx), 30)
         c = t_draft / t_target
         spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
                 "g_draft": g_draft}
         rows = []
+        spec_steps: list[float] = []  # per run: share of decode steps that speculated
+        stalls: list[str] = []  # per run: engine steps over STALL_SECONDS (one-time compiles)
 
         def spec_run(ps, new, acceptance, adaptive_on):
             driver.adaptive = adaptive if adaptive_on else None
             replay.acceptance = acceptance
             replay.reset_counts()
+            before = copy.deepcopy(driver.metrics.total)
+            compiled_before = len(COMPILED)
+            step_seconds: list[float] = []
+            observe_step = driver.observe_step
+            driver.observe_step = lambda t: (step_seconds.append(t), observe_step(t))
             rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
+            driver.observe_step = observe_step
+            slow = [t for t in step_seconds if t > STALL_SECONDS]
+            for name, signature in COMPILED[compiled_before:]:
+                say(f"  compiled during spec a={acceptance} b={len(ps)}: {name} {signature}")
+            stalls.append(f"{len(slow)} / {sum(slow):.2f} s")
+            d = driver.metrics.total.minus(before)
+            spec_steps.append(d.num_spec_steps / max(d.num_spec_steps
+                                                     + d.num_non_spec_decode_steps, 1))
             return rate, outs, replay.per_token_acceptance
 
         # calibration: every proposal rejected, so each step commits the target's greedy token at
@@ -682,6 +723,12 @@ def main() -> int:
         _, calib32, _ = spec_run(b32, new32, 0.0, False)
         replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
         for a in ACCEPTANCES:
+            # An unmeasured pass first: adaptive k runs draft catch-ups and batch shapes that
+            # fixed k never does, and their one-time compiles (~0.3-0.8 s each) would
+            # otherwise land in a run of ~1 s.
+            spec_run(b32, new32, a, True)
+            spec_steps.pop()
+            stalls.pop()
             rate, outs, acc = spec_run(b32, new32, a, True)
             same = sum(o == r for o, r in zip(outs, calib32, strict=True))
             rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"), f"{same}/{len(b32)}"))
@@ -690,6 +737,8 @@ def main() -> int:
         rows.append((len(b32), "0.9 fixed k", acc, rate, rate / plain32, float("nan"),
                      f"{same}/{len(b32)}"))
         spec["rows"] = rows
+        spec["spec_steps"] = spec_steps[1:4] + spec_steps[5:]  # the rows' runs, in order
+        spec["stalls"] = stalls[1:4] + stalls[5:]
         results["spec"] = spec
         llm = engine = driver = replay = draft_runner = None  # free the engine before compiling
         free()
@@ -752,12 +801,14 @@ def main() -> int:
             f" (GPU graph replay: {1e3 * g_draft:.2f} / {1e3 * g_target:.2f} ms)")
         say("measured a: per-position acceptance, accepted / (accepted + rejections)")
         say("| batch | target a | measured a | tok/s | speedup | ideal | % of ideal | "
-            "output == calibration |")
-        say("|---|---|---|---|---|---|---|---|")
-        for b, a, acc, rate, sp, ideal, same in rows:
+            f"output == calibration | steps speculating | steps > {STALL_SECONDS} s |")
+        say("|---|---|---|---|---|---|---|---|---|---|")
+        for (b, a, acc, rate, sp, ideal, same), share, stall in zip(
+                rows, spec["spec_steps"], spec["stalls"], strict=True):
             pct = f"{100 * sp / ideal:.0f}%" if ideal == ideal else "-"
             ideal_s = f"{ideal:.2f}x" if ideal == ideal else "-"
-            say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} |")
+            say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} "
+                f"| {100 * share:.0f}% | {stall} |")
     say(f"\ngraphs captured in the verify sweep: {captured}; total {time.perf_counter() - t_start:.0f} s")
     return finish(args, results)
 
