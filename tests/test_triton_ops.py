@@ -20,12 +20,18 @@ from specserve.model.layers.norm import RMSNorm  # noqa: E402
 from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 
+def _random_norm(hidden: int, eps: float, gen: torch.Generator) -> RMSNorm:
+    """An RMSNorm with weights away from 1, so a kernel that ignored them would fail."""
+    norm = RMSNorm(hidden, eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    return norm
+
+
 @pytest.mark.parametrize("hidden", [64, 96])
 def test_rms_norm_matches_module(hidden):
     gen = torch.Generator().manual_seed(0)
-    norm = RMSNorm(hidden, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    norm = _random_norm(hidden, 1e-5, gen)
     x = torch.randn(5, 2 * hidden, generator=gen)[:, :hidden] * 3  # a strided view
     ref = norm(x)  # CPU: the torch path
     out = triton_ops.rms_norm(x, norm.weight, norm.eps)
@@ -60,9 +66,7 @@ def test_silu_mul_matches_torch():
 def test_add_rms_norm_matches_unfused(hidden):
     """The fused residual add + norm against the torch path (the add, then the module)."""
     gen = torch.Generator().manual_seed(3)
-    norm = RMSNorm(hidden, 1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    norm = _random_norm(hidden, 1e-6, gen)
     x = torch.randn(6, 2 * hidden, generator=gen)[:, :hidden] * 2  # a strided view
     residual = torch.randn(6, hidden, generator=gen) * 5
     ref_out, ref_res = norm.add_and_norm(x, residual)  # CPU: the torch path
