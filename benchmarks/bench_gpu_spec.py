@@ -487,10 +487,9 @@ def log_triton_compiles() -> None:
     eager step meets for the first time in the middle of a run."""
     import triton
 
-    def hook(*, key, repr, fn, compile, **_):
-        consts = {k: v for k, v in compile.get("constants", {}).items()
-                  if not str(k).startswith("(")}
-        COMPILED.append((fn.name, " ".join(str(key).split())[:600] + f" constants={consts}"))
+    def hook(*, key, fn, **_):
+        # the key holds the argument specialization and the constexpr values
+        COMPILED.append((fn.name, " ".join(str(key).split())[:600]))
         return False  # compile as usual
 
     try:
@@ -687,10 +686,10 @@ def main() -> int:
         spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
                 "g_draft": g_draft}
         rows = []
-        spec_steps: list[float] = []  # per run: share of decode steps that speculated
-        stalls: list[str] = []  # per run: engine steps over STALL_SECONDS (one-time compiles)
 
         def spec_run(ps, new, acceptance, adaptive_on):
+            """(tok/s, outputs, measured a, (share of decode steps that speculated, engine
+            steps over STALL_SECONDS: one-time compiles))"""
             driver.adaptive = adaptive if adaptive_on else None
             replay.acceptance = acceptance
             replay.reset_counts()
@@ -704,41 +703,37 @@ def main() -> int:
             slow = [t for t in step_seconds if t > STALL_SECONDS]
             for name, signature in COMPILED[compiled_before:]:
                 say(f"  compiled during spec a={acceptance} b={len(ps)}: {name} {signature}")
-            stalls.append(f"{len(slow)} / {sum(slow):.2f} s")
             d = driver.metrics.total.minus(before)
-            spec_steps.append(d.num_spec_steps / max(d.num_spec_steps
-                                                     + d.num_non_spec_decode_steps, 1))
-            return rate, outs, replay.per_token_acceptance
+            share = d.num_spec_steps / max(d.num_spec_steps + d.num_non_spec_decode_steps, 1)
+            return (rate, outs, replay.per_token_acceptance,
+                    (share, f"{len(slow)} / {sum(slow):.2f} s"))
 
         # calibration: every proposal rejected, so each step commits the target's greedy token at
         # verification numerics; that continuation is what the replay proposes afterwards
-        _, calib, _ = spec_run(p1, new1, 0.0, False)
+        _, calib, _, _ = spec_run(p1, new1, 0.0, False)
         replay.continuations = {tuple(p1[0]): calib[0]}
         for a in ACCEPTANCES:
-            rate, outs, acc = spec_run(p1, new1, a, False)
+            rate, outs, acc, stats = spec_run(p1, new1, a, False)
             ideal = ideal_speedup(acc, K_SPEC, c)
-            rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0]))
+            rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0], *stats))
         new32 = 16 if smoke else 128
         plain32 = dict(thr).get(32) or dict(thr)[8]
-        _, calib32, _ = spec_run(b32, new32, 0.0, False)
+        _, calib32, _, _ = spec_run(b32, new32, 0.0, False)
         replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
         for a in ACCEPTANCES:
             # An unmeasured pass first: adaptive k runs draft catch-ups and batch shapes that
             # fixed k never does, and their one-time compiles (~0.3-0.8 s each) would
             # otherwise land in a run of ~1 s.
             spec_run(b32, new32, a, True)
-            spec_steps.pop()
-            stalls.pop()
-            rate, outs, acc = spec_run(b32, new32, a, True)
+            rate, outs, acc, stats = spec_run(b32, new32, a, True)
             same = sum(o == r for o, r in zip(outs, calib32, strict=True))
-            rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"), f"{same}/{len(b32)}"))
-        rate, outs, acc = spec_run(b32, new32, 0.9, False)  # the same without adaptivity
+            rows.append((len(b32), a, acc, rate, rate / plain32, float("nan"),
+                         f"{same}/{len(b32)}", *stats))
+        rate, outs, acc, stats = spec_run(b32, new32, 0.9, False)  # without adaptivity
         same = sum(o == r for o, r in zip(outs, calib32, strict=True))
         rows.append((len(b32), "0.9 fixed k", acc, rate, rate / plain32, float("nan"),
-                     f"{same}/{len(b32)}"))
+                     f"{same}/{len(b32)}", *stats))
         spec["rows"] = rows
-        spec["spec_steps"] = spec_steps[1:4] + spec_steps[5:]  # the rows' runs, in order
-        spec["stalls"] = stalls[1:4] + stalls[5:]
         results["spec"] = spec
         llm = engine = driver = replay = draft_runner = None  # free the engine before compiling
         free()
@@ -803,8 +798,7 @@ def main() -> int:
         say("| batch | target a | measured a | tok/s | speedup | ideal | % of ideal | "
             f"output == calibration | steps speculating | steps > {STALL_SECONDS} s |")
         say("|---|---|---|---|---|---|---|---|---|---|")
-        for (b, a, acc, rate, sp, ideal, same), share, stall in zip(
-                rows, spec["spec_steps"], spec["stalls"], strict=True):
+        for b, a, acc, rate, sp, ideal, same, share, stall in rows:
             pct = f"{100 * sp / ideal:.0f}%" if ideal == ideal else "-"
             ideal_s = f"{ideal:.2f}x" if ideal == ideal else "-"
             say(f"| {b} | {a} | {acc:.3f} | {rate:.1f} | {sp:.2f}x | {ideal_s} | {pct} | {same} "

@@ -59,7 +59,7 @@ PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before a
 GLOBAL_EMA_WEIGHT = 0.05  # the engine-wide acceptance average that new sequences start from
 PINNED_MIN_GAIN = 0.3  # a pinned sequence proposes j tokens while their gain stays above this
 PROBE_INTERVAL = 16  # plan-first proposers (draft model): steps between one-token probes
-MAX_PROBE_INTERVAL = 256  # ... after repeated rejections
+MAX_PROBE_INTERVAL = 256  # ... after probes that did not lead to speculation
 MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
@@ -94,7 +94,7 @@ class _Samples:
 
 @dataclass
 class StepCosts:
-    """Measured target-pass times: plain decode per batch size, speculative steps as ratios."""
+    """Measured engine-step times: plain decode per batch size, other steps as ratios to it."""
 
     step: int = 0  # steps planned so far (the clock samples expire on)
     plain: dict[int, _Samples] = field(default_factory=dict)  # B -> seconds
@@ -129,8 +129,7 @@ class StepCosts:
                 self.step, seconds / t0)
 
     def catch_up_ratio(self, batch_size: int) -> float:
-        samples = self.catch_up.get(batch_bucket(batch_size))
-        r = None if samples is None else samples.low(self.step, RATIO_EXPIRY)
+        r = self._bucket_low(self.catch_up, batch_size)
         return 1.0 if r is None else r
 
     def observe_switch(self, switched_off: bool) -> None:
@@ -170,9 +169,13 @@ class StepCosts:
 
     def switch_penalty(self, batch_size: int) -> float:
         """Expected extra cost (in plain steps) that one speculative step causes afterwards."""
-        samples = self.after.get(batch_bucket(batch_size))
-        r = None if samples is None else samples.low(self.step, RATIO_EXPIRY)
+        r = self._bucket_low(self.after, batch_size)
         return 0.0 if r is None else max(r - 1.0, 0.0) * self.switch_rate
+
+    def _bucket_low(self, table: dict[int, _Samples], batch_size: int) -> float | None:
+        """The fastest live ratio of batch_size's bucket in a per-bucket table."""
+        samples = table.get(batch_bucket(batch_size))
+        return None if samples is None else samples.low(self.step, RATIO_EXPIRY)
 
 
 def proposal_bucket(p: int) -> int:
@@ -302,6 +305,12 @@ class AdaptiveSpeculation:
         return n + sum(sum(self.gain(a, j) for j in range(1, k + 1))
                        for a, k in zip(accept, ks, strict=True))
 
+    @staticmethod
+    def _rate_to_beat(expected: float, cost, fixed: int) -> float:
+        """Predicted tokens per plain step of the step as planned so far (fixed proposals);
+        adding speculation to a plain step must beat it by MIN_GAIN."""
+        return expected / cost(fixed) * (MIN_GAIN if fixed == 0 else 1.0)
+
     def _choose(self, n: int, ks: list[int], accept: list[list[float]],
                 candidates: list[tuple[float, int, int]]) -> None:
         """Extend ks by the prefix of candidates with the best predicted tokens per second."""
@@ -310,7 +319,7 @@ class AdaptiveSpeculation:
             return  # this batch size has not been measured yet: this plain step measures it
         fixed = sum(ks)  # pinned proposals
         expected = self._expected(n, ks, accept)
-        best_rate, best_m = expected / cost(fixed) * (MIN_GAIN if fixed == 0 else 1.0), 0
+        best_rate, best_m = self._rate_to_beat(expected, cost, fixed), 0
         candidates.sort(key=lambda c: (-c[0], c[1]))  # j-th before (j+1)-th of a sequence
         for m, (gain, _, _) in enumerate(candidates, start=1):
             expected += gain
@@ -345,7 +354,7 @@ class AdaptiveSpeculation:
             return
         fixed = sum(ks)
         expected = self._expected(n, ks, accept)
-        best_rate, probes = expected / cost(fixed) * (MIN_GAIN if fixed == 0 else 1.0), 0
+        best_rate, probes = self._rate_to_beat(expected, cost, fixed), 0
         # A probe after idle steps makes the draft catch up on them: a step that costs what
         # such steps were measured to cost, at least.
         catch_up = self.costs.catch_up_ratio(n)

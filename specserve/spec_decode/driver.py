@@ -73,13 +73,13 @@ class SpeculationDriver:
         seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         self._step = None
-        if self.adaptive is not None and decoding:
-            # Timings of pure decode/verify steps teach the cost model; prompt chunks would
-            # blur them (B: decoding sequences, all of them sampling this step).
-            pure = len(decoding) == len(scheduled) and all(
-                s.num_new_tokens == 1 for s in scheduled)
-            self._step = _Step(len(decoding), 0, pure)
         if self.adaptive is not None:
+            if decoding:
+                # Timings of pure decode/verify steps teach the cost model; prompt chunks
+                # would blur them (B: decoding sequences, all of them sampling this step).
+                pure = len(decoding) == len(scheduled) and all(
+                    s.num_new_tokens == 1 for s in scheduled)
+                self._step = _Step(len(decoding), 0, pure)
             for seq in seqs:
                 self._resolve_shadow(seq)
         if not any(ks):
