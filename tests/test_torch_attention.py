@@ -130,3 +130,52 @@ def test_swapped_sequence_is_not_read_from_the_mirror(pair):
     for _ in range(3):  # a and b reach 13 tokens, like c
         pair.step([a, b], [a.run(1), b.run(1)])
     pair.step([a, c], [a.run(1), c.run(1)])
+
+
+def _extends(pair, monkeypatch) -> list[bool]:
+    """Record, per step of the mirrored runner, whether its mirror was extended (not rebuilt)."""
+    seen: list[bool] = []
+    plan = pair.mirrored.backend.mirror.plan
+
+    def spy(meta):
+        step = plan(meta)
+        seen.append(step is not None and step.extend)
+        return step
+
+    monkeypatch.setattr(pair.mirrored.backend.mirror, "plan", spy)
+    return seen
+
+
+def test_verification_steps_extend_the_mirror(pair, monkeypatch):
+    """Speculative steps (runs of k + 1 tokens, ragged across the batch, rejected proposals
+    rolled back) keep the mirror: a step starting at or before the end of what it holds writes
+    its rows there, and the decode steps around them extend it too."""
+    seqs = _seqs(pair.vocab, [120, 120, 120])
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [9, 5, 14], strict=True)])  # prefill
+    extends = _extends(pair, monkeypatch)
+    pair.step(seqs, [s.run(1) for s in seqs])  # first decode: builds the mirror
+    pair.step(seqs, [s.run(1) for s in seqs])
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [4, 1, 6], strict=True)])  # verify
+    # rejections: the next runs start inside what the last step wrote
+    pair.step(seqs, [s.run(n, back=b) for s, n, b in zip(seqs, [3, 2, 1], [2, 0, 4],
+                                                         strict=True)])
+    pair.step(seqs, [s.run(1, back=b) for s, b in zip(seqs, [1, 1, 0], strict=True)])
+    for _ in range(18):  # past the capacity headroom (rebuilds), then extends again
+        pair.step(seqs, [s.run(n) for s, n in zip(seqs, [5, 1, 2], strict=True)])
+    assert extends[:5] == [False, True, True, True, True]
+    assert 1 < extends.count(False) < extends.count(True)
+
+
+def test_a_prompt_chunk_drops_the_mirror(pair, monkeypatch):
+    """Runs longer than MAX_MIRROR_QUERY (prompt chunks) invalidate it: they are not read from
+    it and the next short step rebuilds it."""
+    long_run = torch_context_mirror.MAX_MIRROR_QUERY + 1
+    seqs = _seqs(pair.vocab, [120, 120])
+    pair.step(seqs, [s.run(6) for s in seqs])
+    extends = _extends(pair, monkeypatch)
+    pair.step(seqs, [s.run(1) for s in seqs])
+    pair.step(seqs, [seqs[0].run(1), seqs[1].run(long_run)])
+    assert pair.mirrored.backend.mirror._seq_lens == []
+    pair.step(seqs, [s.run(2) for s in seqs])
+    pair.step(seqs, [s.run(1) for s in seqs])
+    assert extends == [False, False, False, True]

@@ -15,7 +15,9 @@ gathers and one kernel, with every index and mask built once and shared by all l
   the [S, Q, K] mask (SDPA then also skips the masked half of the work).
 * ``_MixedLayout`` - anything else (prefill chunks over a cached prefix, multi-token
   verification, mixed batches): a padded ``[num_seqs, max_query_len]`` x
-  ``[num_seqs, max_seq_len]`` batch with one precomputed additive mask.
+  ``[num_seqs, max_seq_len]`` batch with one precomputed additive mask. Verification steps
+  (short runs) read their context from the same mirror as decode steps, so switching between
+  speculative and plain steps keeps it instead of re-gathering it twice.
 
 Padding is cheap at CPU batch sizes and keeps the number of ops per layer constant, which
 matters more on CPU (30 layers x per-op dispatch) than the wasted FLOPs.
@@ -162,9 +164,10 @@ class _PrefillLayout(_Layout):
 
 
 class _MixedLayout(_Layout):
-    def __init__(self, meta: AttentionMetadata) -> None:
+    def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
         device = meta.slot_mapping.device
         self.max_k = meta.max_seq_len
+        self.mirror = mirror  # None: gather the context from the paged cache in every layer
         self.q_index, self.real_rows = _padded_query_index(meta)  # [S, Q], [T]
         query_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)  # [S]
         seq_lens = meta.seq_lens.to(torch.int64)  # [S]
@@ -178,13 +181,20 @@ class _MixedLayout(_Layout):
         # Padded query rows attend to key 0 so that softmax never sees an all-masked row.
         allowed[:, :, 0] = True
         self.mask = _AdditiveMask(allowed[:, None])  # [S, 1, Q, K]
-        self.block_ids = _block_ids(meta)  # [S * nb]
+        self.block_ids = _block_ids(meta) if mirror is None else None  # [S * nb]
+
+    def wrote_kv(self, key, value, k_cache):
+        if self.mirror is not None:
+            self.mirror.write(key, value, k_cache)
 
     def attend(self, query, k_cache, v_cache, scale):
         s = self.q_index.shape[0]
         q = query[self.q_index].transpose(1, 2)  # [S, H, Q, D]
-        k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
-        v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
+        if self.mirror is not None:
+            k, v = self.mirror.context(k_cache, v_cache, self.max_k)  # [S, KvH, K, D] each
+        else:
+            k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
+            v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.get(query.dtype),
                                              scale=scale,
                                              enable_gqa=query.shape[1] != k_cache.shape[2])
@@ -201,11 +211,13 @@ class TorchAttentionBackend(AttentionBackend):
         """Pick this step's layout (the one place that chooses) and precompute it."""
         whole_prompts = all(q == s for q, s in zip(meta.query_lens, meta.seq_lens_host,
                                                    strict=True))
-        if meta.max_query_len == 1 and not whole_prompts:
-            layout: _Layout = _DecodeLayout(meta, self.mirror.plan(meta))
-        else:
+        if whole_prompts:
             self.mirror.invalidate()  # this step writes K/V the mirror does not follow
-            layout = _PrefillLayout(meta) if whole_prompts else _MixedLayout(meta)
+            layout: _Layout = _PrefillLayout(meta)
+        elif meta.max_query_len == 1:
+            layout = _DecodeLayout(meta, self.mirror.plan(meta))
+        else:  # the mirror serves short runs (verification) and drops out for prompt chunks
+            layout = _MixedLayout(meta, self.mirror.plan(meta))
         meta.backend_state["torch"] = layout
 
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
