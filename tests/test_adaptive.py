@@ -167,6 +167,29 @@ def test_samples_expire():
     assert costs.plain_time(1) is None
 
 
+def test_a_stale_plain_time_is_measured_again():
+    """The first decode step after a prefill can cost several steady ones (a CPU backend builds
+    its decode state then). Priced against it, a speculative step costing 2x a steady plain
+    step looks like a 0.5x one; once a speculative step runs faster than "plain", the plain
+    time is dropped and measured again, and the speculative step is priced against that."""
+    batch = list(range(32))
+    policy = AdaptiveSpeculation(4)
+    for seq_id in batch:
+        _train(policy, seq_id, 0.3)
+    policy.costs.observe(32, 0, PLAIN_SECONDS * 4, after_spec=False)  # first decode step
+    assert sum(policy.plan(batch, [4] * 32)) > 64  # looks nearly free: tried
+    policy.costs.observe(32, 128, PLAIN_SECONDS * 2, after_spec=False)  # faster than "plain"
+    assert policy.costs.plain_time(32) is None
+    assert policy.plan(batch, [4] * 32) == [0] * 32  # so a plain step measures it again
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=True)
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    assert policy.costs.plain_time(32) == PLAIN_SECONDS
+    policy.costs.observe(32, 128, PLAIN_SECONDS * 2, after_spec=False)
+    policy.costs.observe(32, 32, PLAIN_SECONDS * 1.5, after_spec=False)
+    # 0.3 acceptance: ~42 tokens for 1.5 plain steps, ~46 for 2: not worth it
+    assert policy.plan(batch, [4] * 32) == [0] * 32
+
+
 def test_plain_time_is_interpolated_between_nearby_batch_sizes():
     costs = StepCosts()
     costs.observe(10, 0, 1.0, after_spec=False)

@@ -63,6 +63,7 @@ MAX_PROBE_INTERVAL = 256  # ... after probes that did not lead to speculation
 MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
+STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
 
@@ -115,11 +116,28 @@ class StepCosts:
         t0 = self.plain_time(batch_size)
         if t0 is None:
             return
+        if num_proposals > 0 and seconds < STALE_PLAIN * t0:
+            self._drop_plain_above(batch_size, seconds)
+            return
         if num_proposals == 0:
             self.after.setdefault(b, _Samples()).add(self.step, seconds / t0)
         else:
             key = (b, proposal_bucket(num_proposals))
             self.ratio.setdefault(key, _Samples()).add(self.step, (num_proposals, seconds / t0))
+
+    def _drop_plain_above(self, batch_size: int, seconds: float) -> None:
+        """A step with proposals ran faster than the plain step it is priced against: that
+        plain time is stale (typically one slow sample: the first decode step after a prefill
+        or a batch change, when a CPU backend rebuilds its decode state, can cost several
+        steady ones). Were it kept, every speculative step would look cheaper than plain
+        decoding and speculation would run unchecked until the sample expired. Plain samples
+        at batch sizes up to this one that are slower than this step are dropped, so the next
+        step decodes plainly and measures the plain time again."""
+        for b, samples in self.plain.items():
+            if b <= batch_size:
+                kept = [(step, t) for step, t in samples.values if t <= seconds]
+                samples.values.clear()
+                samples.values.extend(kept)
 
     def observe_catch_up(self, batch_size: int, seconds: float) -> None:
         """A step in which the draft caught up on tokens it skipped: what a probe costs."""
