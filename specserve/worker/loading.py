@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM
 from specserve.model.layers.quantization import get_quantization_method, quantize_model
+from specserve.model.layers.weight_layout import store_linear_weights_input_major
 from specserve.model.loader import ModelSource, iter_weights, load_hf_config, resolve_model
 from specserve.model.registry import build_model
 
@@ -40,6 +41,8 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
     model = build_model(hf_config, iter_weights(source), dtype, device)
     if quantization is not None:
         quantize_model(model, get_quantization_method(quantization), device)
+    if device.type == "cpu":
+        store_linear_weights_input_major(model)  # MKL's fast layout for multi-row matmuls
     logger.info("loaded %s (%s) in %.2fs", source.name, type(model).__name__,
                 time.perf_counter() - t0)
     return LoadedModel(source, hf_config, model)
