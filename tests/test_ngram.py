@@ -7,7 +7,7 @@ import pytest
 from helpers import tiny_llm
 
 from specserve import SamplingParams
-from specserve.spec_decode.ngram import find_ngram_proposal
+from specserve.spec_decode.ngram import NgramIndex, find_ngram_proposal
 
 
 @pytest.mark.parametrize("tokens, n_max, n_min, k, expected", [
@@ -18,7 +18,36 @@ from specserve.spec_decode.ngram import find_ngram_proposal
     ([7, 1, 2, 8, 2], 2, 2, 2, []),  # ... but not below n_min
 ])
 def test_find_ngram_proposal(tokens, n_max, n_min, k, expected):
-    assert find_ngram_proposal(np.array(tokens), n_max, n_min, k) == expected
+    assert find_ngram_proposal(tokens, n_max, n_min, k) == expected
+    assert _search(np.array(tokens), n_max, n_min, k) == expected
+
+
+def _search(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> list[int]:
+    """The definition, by brute force: compare the tail with every earlier window."""
+    length = tokens.shape[0]
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@pytest.mark.parametrize("n_max, n_min", [(4, 1), (3, 2), (1, 1)])
+def test_incremental_index_equals_a_full_search_at_every_step(n_max, n_min):
+    """A sequence's index, grown by 1..6 committed tokens per step (as speculation commits
+    them), proposes exactly what searching the whole sequence would, every step."""
+    rng = np.random.default_rng(n_max * 10 + n_min)
+    tokens = rng.integers(0, 6, 30).tolist()  # a small vocabulary: many repeats
+    index = NgramIndex(n_max, n_min)
+    matched = 0
+    while len(tokens) < 400:
+        expected = _search(np.array(tokens), n_max, n_min, 5)
+        assert index.propose(tokens, 5) == expected
+        matched += bool(expected)
+        tokens += rng.integers(0, 6, int(rng.integers(1, 7))).tolist()
+    assert matched > 50
 
 
 def test_ngram_greedy_equals_plain_and_accepts_repetition(tiny_llama, test_prompts):

@@ -7,31 +7,51 @@ the tokens that followed it are proposed. No match means no proposal, and that s
 decodes in the same step. Proposals are point masses (q(x) = 1), so sampled requests accept a
 proposal with probability p(x), which keeps the output distribution exact.
 
-The search is one vectorised comparison per n over the sequence (numpy), O(len * n) without any
-Python loop over positions.
+Each sequence keeps an ``NgramIndex``: a dict from every n-gram it contains to the position of
+the token after its most recent occurrence, grown by the tokens committed since the last step.
+A lookup is then at most (n_max - n_min + 1) dict probes, whatever the context length: searching
+the whole sequence every step (vectorised numpy over 32 sequences of ~200 tokens) cost ~3 ms per
+engine step on the CI machine, ~2-3 % of a batch-32 decode step, and grows with the context.
 """
 
 from __future__ import annotations
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specserve.engine.sequence import Sequence
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 
 
-def find_ngram_proposal(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> list[int]:
-    """Tokens following the most recent earlier occurrence of the longest matching tail."""
-    length = tokens.shape[0]
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        tail = tokens[length - n :]
-        # Candidate windows start at 0..length-n-1 (the tail itself is excluded).
-        windows = sliding_window_view(tokens[: length - 1], n)  # [length - n, n]
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # first token after the most recent match
-            return tokens[start : start + k].tolist()
-    return []
+class NgramIndex:
+    """The most recent occurrence of every n-gram (n_min <= n <= n_max) of one token sequence
+    that has a token after it, kept up to date as the sequence grows (tokens are only ever
+    appended: proposals never enter it, only committed tokens)."""
+
+    def __init__(self, n_max: int, n_min: int) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.follow: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+        self.next_end = 0  # n-grams ending before this index are indexed
+
+    def update(self, tokens: list[int]) -> None:
+        """Index the n-grams ending at positions next_end .. len - 2 (each has a follower)."""
+        for end in range(self.next_end, len(tokens) - 1):
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.follow[tuple(tokens[end - n + 1 : end + 1])] = end + 1
+        self.next_end = max(self.next_end, len(tokens) - 1)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens following the most recent earlier occurrence of the longest matching
+        tail of tokens (the tail itself excluded); [] when none matches."""
+        self.update(tokens)
+        length = len(tokens)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            start = self.follow.get(tuple(tokens[length - n :]))
+            if start is not None:
+                return list(tokens[start : start + k])
+        return []
+
+
+def find_ngram_proposal(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
+    """One lookup over a whole token list (what a fresh sequence's first step does)."""
+    return NgramIndex(n_max, n_min).propose(list(tokens), k)
 
 
 class NgramProposer(Proposer):
@@ -40,6 +60,7 @@ class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int) -> None:
         self.n_max = prompt_lookup_max
         self.n_min = prompt_lookup_min
+        self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its index
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
         out = []
@@ -47,6 +68,11 @@ class NgramProposer(Proposer):
             if k <= 0:
                 out.append([])
                 continue
-            tokens = np.asarray(seq.token_ids, dtype=np.int64)
-            out.append(find_ngram_proposal(tokens, self.n_max, self.n_min, k))
+            index = self._indexes.get(seq.seq_id)
+            if index is None:
+                index = self._indexes[seq.seq_id] = NgramIndex(self.n_max, self.n_min)
+            out.append(index.propose(seq.token_ids, k))
         return DraftProposals(out, None)
+
+    def free(self, seq: Sequence) -> None:
+        self._indexes.pop(seq.seq_id, None)
