@@ -16,7 +16,8 @@ matmul rate (8192^3). Then:
      greedy (must match exactly, with and without a draft); 8B: graph replay vs the same padded
      batch run eagerly (bit-exact), vs the unpadded eager path; greedy agreement with eager.
   1. decode at batch 1 (128-token prompt, 256 new tokens): tok/s, bytes per token / copy
-     bandwidth = % of roofline (end to end, and for the GPU time of one graph replay); vs
+     bandwidth = % of roofline (end to end, and for one greedy step: execute_argmax() wall
+     and the GPU time of its graph replay, lm_head and argmax included); vs
      transformers generate eager (and static cache + torch.compile, attempted last).
   2. throughput at batch 1, 8, 32, 128, 256 (128-token prompts, 128 new tokens).
   3. verify cost: one target step with k + 1 query tokens per sequence over a plain decode
@@ -277,14 +278,15 @@ def hf_decode_rate(model, prompt: list[int], new_tokens: int, device) -> tuple[f
     return (new_tokens - 1) / (tn - t1), tokens
 
 
-def warm_graphs(runner, batches, query_lens=None) -> None:
-    """Capture the buckets a timed run will use before it starts (captures are lazy)."""
+def warm_graphs(runner, batches, query_lens=None, heads=(False, True)) -> None:
+    """Capture the buckets a timed run will use before it starts (captures are lazy), with
+    both heads: hidden states (logits after the replay) and argmax ids (greedy steps)."""
     graphs = runner.graphs
     if graphs is None:
         return
     qs = query_lens or range(1, graphs.max_query_len + 1)
     keys = {graphs.key_for([SequenceRun([0] * q, 0, [], [0])] * b) for b in batches for q in qs}
-    graphs.capture_keys([k for k in keys if k is not None])
+    graphs.capture_keys([k for k in keys if k is not None], heads)
 
 
 # ---- section 0: correctness -------------------------------------------------------------------
@@ -322,7 +324,7 @@ def tiny_checks(device, workdir: Path) -> list[str]:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
         graphs = llm.llm_engine.runner.graphs
-        n_graphs = len(graphs.graphs) if graphs is not None else 0
+        n_graphs = len(graphs.graphs) + len(graphs.argmax_graphs) if graphs is not None else 0
         exact = sum(g == r for g, r in zip(got, refs, strict=True))
         lines.append(f"tiny fp32 {label:<20} vs transformers: {exact}/{len(prompts)} exact "
                      f"({n_graphs} target graphs captured)")
@@ -410,15 +412,18 @@ def synthetic_runs(runner, batch: int, q: int, ctx: int, first_block: int) -> li
                         list(range(q))) for i in range(batch)]
 
 
-def step_time(runner, batch: int, q: int, ctx: int, reps: int) -> tuple[float, float]:
+def step_time(runner, batch: int, q: int, ctx: int, reps: int,
+              argmax: bool = False) -> tuple[float, float]:
     """(host-clock seconds of runner.execute incl. input building and logits, GPU seconds of
-    the graph replay alone, nan when eager)."""
+    the graph replay alone, nan when eager). argmax=True: the greedy step instead
+    (runner.execute_argmax: logits and argmax inside the graph, token ids read back)."""
     runs = synthetic_runs(runner, batch, q, ctx, first_block=1)
-    wall = wall_time(lambda: runner.execute(runs), reps)
+    execute = runner.execute_argmax if argmax else runner.execute
+    wall = wall_time(lambda: execute(runs), reps)
     gpu = float("nan")
     if runner.graphs is not None and runner.graphs.capture:
         key = runner.graphs.key_for(runs)
-        graph = runner.graphs.graphs.get(key)
+        graph = (runner.graphs.argmax_graphs if argmax else runner.graphs.graphs).get(key)
         if graph is not None:
             gpu = cuda_time(graph.replay, reps)
     return wall, gpu
@@ -610,7 +615,7 @@ def main() -> int:
     avg_ctx = PROMPT_LEN + new1 / 2
     bytes_tok = t_read + avg_ctx * kv_per_token
     roof = bw / bytes_tok
-    wall1, gpu1 = step_time(runner, 1, 1, int(avg_ctx), 30)
+    wall1, gpu1 = step_time(runner, 1, 1, int(avg_ctx), 30, argmax=True)  # greedy step
     if args.profile:
         profile_decode(llm, p1, args.out)
     graphs_saved = runner.graphs
@@ -651,7 +656,7 @@ def main() -> int:
         base = step_time(runner, b, 1, 512, 20)
         ver[b] = [base] + [step_time(runner, b, k + 1, 512, 20) for k in range(1, 9)]
     results["verify"] = {b: v for b, v in ver.items()}
-    captured = len(runner.graphs.graphs) if runner.graphs else 0
+    captured = len(runner.graphs.graphs) + len(runner.graphs.argmax_graphs) if runner.graphs else 0
     del llm, runner, graphs_saved
     free()
 
@@ -680,7 +685,7 @@ def main() -> int:
         b32 = prompts(1 if smoke else 32)
         for r in (engine.runner, draft_runner):  # adaptive k: any rung up to 32 may run
             warm_graphs(r, [b for b in r.graphs.ladder if b <= len(b32)] if r.graphs else ())
-        t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30)
+        t_target, g_target = step_time(engine.runner, 1, 1, int(avg_ctx), 30, argmax=True)
         t_draft, g_draft = step_time(draft_runner, 1, 1, int(avg_ctx), 30)
         c = t_draft / t_target
         spec = {"c": c, "t_target": t_target, "t_draft": t_draft, "g_target": g_target,
@@ -762,9 +767,11 @@ def main() -> int:
     say(f"| specserve, CUDA graphs (end to end) | {d['tok_s']:.1f} | {1e3 / d['tok_s']:.2f} | "
         f"{bytes_tok / 1e9:.2f} GB | {100 * d['tok_s'] / roof:.1f}% | "
         f"{d['tok_s'] / hf_tok_s:.1f}x |")
-    say(f"| specserve, one step: execute() wall | {1 / wall1:.1f} | {1e3 * wall1:.2f} | | "
+    say(f"| specserve, one greedy step: execute_argmax() wall | {1 / wall1:.1f} | "
+        f"{1e3 * wall1:.2f} | | "
         f"{100 / wall1 / roof:.1f}% | |")
-    say(f"| specserve, one step: graph replay GPU time | {1 / gpu1:.1f} | {1e3 * gpu1:.2f} | | "
+    say(f"| specserve, one greedy step: graph replay GPU time (with lm_head, argmax) | "
+        f"{1 / gpu1:.1f} | {1e3 * gpu1:.2f} | | "
         f"{100 / gpu1 / roof:.1f}% | |")
     say(f"| specserve enforce_eager path | {eager_tok_s:.1f} | {1e3 / eager_tok_s:.2f} | | "
         f"{100 * eager_tok_s / roof:.1f}% | {eager_tok_s / hf_tok_s:.1f}x |")

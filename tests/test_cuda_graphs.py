@@ -87,6 +87,30 @@ def test_empty_batch_pads_everything():
     assert p.ints.tolist() == [0, 0, 0, 0, 0]
 
 
+def test_static_buffer_fill_is_the_padded_layout():
+    """One host->device copy per step fills what each bucket's views read, whatever a larger
+    bucket left in the buffer before."""
+    from specserve.worker.cuda_graphs import _StaticBuffers
+
+    width = 3
+    buffers = _StaticBuffers(4, 3, width, torch.device("cpu"))
+    steps = [(GraphKey(4, 3), [SequenceRun([11], 5, [7, 2], [0]),
+                               SequenceRun([21, 22, 23], 2, [3, 6], [0, 1, 2]),
+                               SequenceRun([31, 32], 9, [1, 4, 5], [1])]),
+             (GraphKey(2, 1), [SequenceRun([41], 7, [9, 8], [0])]),
+             (GraphKey(1, 1), [])]
+    for key, runs in steps:
+        assert buffers.fill(key, runs, BLOCK) == sum(len(r.token_ids) for r in runs)
+        want = pad_inputs(key, runs, BLOCK, width)
+        t, b, n = key.num_tokens, key.batch_size, len(runs)
+        ids, pos, slots, seq_lens, starts, tables = buffers.views(key)
+        assert torch.equal(torch.cat([ids, pos, slots]), want.longs)
+        assert torch.equal(torch.cat([seq_lens, starts]), want.ints[: 2 * b + 1])
+        assert torch.equal(tables[:n].reshape(-1), want.ints[2 * b + 1:])
+        assert ids.dtype == torch.int64 and tables.dtype == torch.int32
+        assert tables.shape == (b, width) and ids.shape == (t,)
+
+
 # ---- the padded path through a real model (Triton kernels under the interpreter) -----------------
 
 @pytest.fixture
@@ -119,6 +143,7 @@ def test_padded_path_matches_eager(tiny_llama, triton_backend, single_thread):
             SequenceRun([2, 3, 4], 3, tables[1], [0, 1, 2]),
             SequenceRun([5, 6], 9, tables[2], [1])]
     eager = runner.execute(runs)
+    assert runner.execute_argmax(runs) == eager.argmax(-1).tolist()
     assert runner.enable_cuda_graphs(max_batch=4, max_query_len=3, max_model_len=64,
                                      capture=False)
     key = runner.graphs.key_for(runs)
@@ -126,6 +151,8 @@ def test_padded_path_matches_eager(tiny_llama, triton_backend, single_thread):
     padded = runner.execute(runs)
     assert padded.shape == eager.shape == (5, runner.model.vocab_size)
     torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+    # the argmax head: logits and argmax computed in the padded forward, real rows read back
+    assert runner.execute_argmax(runs) == padded.argmax(-1).tolist()
     for k, v in caches:
         assert (k[spare] == sentinel).all() and (v[spare] == sentinel).all()
     # batches outside the ladder still run (eagerly) and agree
@@ -174,3 +201,4 @@ def test_in_fresh_interpreter_process():
                              __file__], env=env, capture_output=True, text=True, timeout=600,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+

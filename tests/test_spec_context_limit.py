@@ -53,14 +53,16 @@ class Spy:
 
     @staticmethod
     def _wrap_runner(runner, positions: list[int]) -> None:
-        execute = runner.execute
+        def spy(execute):
+            def run(runs):
+                for r in runs:
+                    positions.extend(range(r.start, r.start + len(r.token_ids)))
+                return execute(runs)
+            return run
 
-        def spy(runs):
-            for run in runs:
-                positions.extend(range(run.start, run.start + len(run.token_ids)))
-            return execute(runs)
-
-        runner.execute = spy
+        # logits, or argmax ids (the greedy fast path)
+        runner.execute = spy(runner.execute)
+        runner.execute_argmax = spy(runner.execute_argmax)
 
 
 def _prompts(tokenizer_llm, lengths: list[int]) -> list[list[int]]:

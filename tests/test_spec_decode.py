@@ -223,9 +223,10 @@ def test_verification_is_one_target_pass(tiny_llama, test_prompts, monkeypatch):
                    speculative_adaptive=False)
     engine = llm.llm_engine
     calls = []
-    original = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda runs: calls.append(
-        [len(r.token_ids) for r in runs]) or original(runs))
+    for name in ("execute", "execute_argmax"):  # logits, or argmax ids (greedy fast path)
+        original = getattr(engine.runner, name)
+        monkeypatch.setattr(engine.runner, name, lambda runs, original=original: calls.append(
+            [len(r.token_ids) for r in runs]) or original(runs))
     steps = 0
     for i, prompt in enumerate(test_prompts[:4]):
         engine.add_request(str(i), prompt, _greedy(9))
@@ -243,15 +244,18 @@ def test_verification_mixed_with_prefill_chunks(tiny_llama, tiny_llama_draft, ll
                    max_num_batched_tokens=40, max_num_seqs=6)
     engine = llm.llm_engine
     mixed_steps = 0
-    original = engine.runner.execute
 
-    def spy(runs):
-        nonlocal mixed_steps
-        kinds = {len(r.logit_offsets) > 1 and r.start > 0 for r in runs}
-        mixed_steps += any(len(r.token_ids) > 4 for r in runs) and True in kinds
-        return original(runs)
+    def spy(original):
+        def run(runs):
+            nonlocal mixed_steps
+            kinds = {len(r.logit_offsets) > 1 and r.start > 0 for r in runs}
+            mixed_steps += any(len(r.token_ids) > 4 for r in runs) and True in kinds
+            return original(runs)
+        return run
 
-    engine.runner.execute = spy
+    # logits, or argmax ids (the greedy fast path)
+    engine.runner.execute = spy(engine.runner.execute)
+    engine.runner.execute_argmax = spy(engine.runner.execute_argmax)
     outs = llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)
     assert _tokens(outs) == llama_reference
     assert mixed_steps > 0

@@ -273,13 +273,19 @@ class LLMEngine:
         if self.speculation is not None:
             proposals, draft_probs = self.speculation.propose(sched.scheduled, sampled)
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
-        logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
-        sample_logits = select_rows(logits, sample_rows)  # [sum(k_i + 1), vocab], no sync
-        verified = self.verifier.verify([s.seq for s in sampled], proposals, draft_probs,
-                                        sample_logits)  # reads tokens: the step's one sync
-        logprobs = None
-        if any(s.seq.params.logprobs is not None for s in sampled):
-            logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
+        seqs = [s.seq for s in sampled]
+        logits = logprobs = None
+        if self._argmax_suffices(seqs, prompt_rows):
+            # Greedy fast path: the target pass returns each row's argmax token, not logits
+            # (ONE pass still scores everything; its token read is the step's one sync).
+            verified = self.verifier.accept_greedy(proposals, self.runner.execute_argmax(runs))
+        else:
+            logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
+            sample_logits = select_rows(logits, sample_rows)  # [sum(k_i + 1), vocab], no sync
+            verified = self.verifier.verify(seqs, proposals, draft_probs,
+                                            sample_logits)  # reads tokens: the step's one sync
+            if any(s.params.logprobs is not None for s in seqs):
+                logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             req = self.requests[s.seq.request_id]
@@ -331,6 +337,12 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.on_committed(seq, req.metrics, num_tokens_before, len(proposals),
                                           num_accepted, num_committed)
+
+    def _argmax_suffices(self, seqs: list[Sequence], prompt_rows: dict[int, list[int]]) -> bool:
+        """No logits are needed this step: no prompt logprobs, no sampled logprobs, and every
+        sampled row greedy with untouched logits (the verifier's condition)."""
+        return (not prompt_rows and all(s.params.logprobs is None for s in seqs)
+                and self.verifier.argmax_suffices(seqs))
 
     def _free_proposer_state(self, seq: Sequence) -> None:
         if self.speculation is not None:

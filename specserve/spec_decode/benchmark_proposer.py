@@ -18,11 +18,10 @@ import os
 import random
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from specserve.engine.sequence import Sequence as Seq
 from specserve.sampling_params import SamplingType
 from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.worker.model_runner import SequenceRun
 
 ENV_FLAG = "SPECSERVE_BENCHMARK_PROPOSER"
 
@@ -74,8 +73,9 @@ class ReplayProposer(DraftModelProposer):
             self.num_rejections += num_accepted < num_proposed
         super().on_verified(seq, num_tokens_before, num_proposed, num_accepted)
 
-    def _sample(self, seqs: list[Seq], drafted: list[list[int]], logits: torch.Tensor):
+    def _step_tokens(self, seqs: list[Seq], drafted: list[list[int]],
+                     runs: list[SequenceRun], greedy: bool):
         assert all(s.params.sampling_type is SamplingType.GREEDY for s in seqs), \
             "the replay proposer only models greedy requests"
-        probs, _ = super()._sample(seqs, drafted, logits)  # the real sampling cost
+        probs, _ = super()._step_tokens(seqs, drafted, runs, greedy)  # the real draft cost
         return probs, [self._replay(s, len(d)) for s, d in zip(seqs, drafted, strict=True)]

@@ -24,6 +24,7 @@ from specserve.engine.sequence import Sequence
 from specserve.sample.logits_processing import SamplingTensors, process_logits
 from specserve.sample.sampler import probs_from_final_logits, sample
 from specserve.spec_decode.proposer import DraftProposals, Proposer
+from specserve.spec_decode.verifier import is_plain_greedy
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 
@@ -80,8 +81,12 @@ class DraftModelProposer(Proposer):
         if k_max == 0:
             return DraftProposals(proposals, probs)
         device = self.runner.device
-        probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
-                            device=device)
+        # Plain greedy sequences propose the draft's argmax and are verified greedily, which
+        # never reads q: no probabilities, and argmax ids instead of logits.
+        greedy = all(is_plain_greedy(s.params) for s in seqs)
+        if not greedy:
+            probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
+                                device=device)
         catch_up = 0
         for step in range(k_max):
             active = [i for i, k in enumerate(ks) if k > step]
@@ -96,15 +101,24 @@ class DraftModelProposer(Proposer):
                     start = seqs[i].num_tokens + step - 1
                     tokens = [proposals[i][-1]]
                 runs.append(SequenceRun(tokens, start, shadow.block_table, [len(tokens) - 1]))
-            logits = self.runner.execute(runs)  # [A, V]
-            step_probs, tokens = self._sample(
-                [seqs[i] for i in active], [proposals[i] for i in active], logits)
+            step_probs, tokens = self._step_tokens(
+                [seqs[i] for i in active], [proposals[i] for i in active], runs, greedy)
             for row, i in enumerate(active):
                 proposals[i].append(tokens[row])
-                probs[i, step] = step_probs[row]
+                if probs is not None:
+                    probs[i, step] = step_probs[row]
                 shadow = self.shadows[seqs[i].seq_id]
                 shadow.num_computed_tokens = seqs[i].num_tokens + step
         return DraftProposals(proposals, probs, catch_up)
+
+    def _step_tokens(self, seqs: list[Sequence], drafted: list[list[int]],
+                     runs: list[SequenceRun], greedy: bool):
+        """One draft forward over the runs: (probs [A, V] or None, one token per run). Plain
+        greedy rows with nothing blocked read back argmax ids alone (no logits, no q)."""
+        if greedy and not any(self.blocked_token_ids(s, len(d))
+                              for s, d in zip(seqs, drafted, strict=True)):
+            return None, self.runner.execute_argmax(runs)
+        return self._sample(seqs, drafted, self.runner.execute(runs))  # logits [A, V]
 
     def _sample(self, seqs: list[Sequence], drafted: list[list[int]], logits: torch.Tensor):
         """Draw each proposal from the draft's distribution under the request's transforms."""

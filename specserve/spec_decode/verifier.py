@@ -17,7 +17,7 @@ import torch
 from specserve.engine.sequence import Sequence
 from specserve.sample.logits_processing import SamplingTensors, process_logits
 from specserve.sample.sampler import probs_from_final_logits
-from specserve.sampling_params import SamplingType
+from specserve.sampling_params import SamplingParams, SamplingType
 from specserve.spec_decode.rejection_sampler import PAD_TOKEN, rejection_sample
 from specserve.worker.transfer import to_device
 
@@ -39,6 +39,28 @@ class Verifier:
         self.acceptance_method = acceptance_method
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
+
+    def argmax_suffices(self, seqs: list[Sequence]) -> bool:
+        """True when every sequence is greedy and nothing transforms its logits (no penalties,
+        logit_bias, allowed_token_ids or min_tokens blocking): then each row's verdict needs
+        only the argmax of its raw logits, and accept_greedy gives what verify would."""
+        return all(is_plain_greedy(s.params) and not self.blocked_token_ids(s, 0) for s in seqs)
+
+    @staticmethod
+    def accept_greedy(proposals: list[list[int]], row_tokens: list[int]) -> VerifyResult:
+        """Greedy acceptance from the argmax of each row (len(proposals[i]) + 1 consecutive
+        rows per sequence): accept while the proposal equals the argmax, then emit the argmax."""
+        emitted, num_accepted, row = [], [], 0
+        for props in proposals:
+            argmax = row_tokens[row : row + len(props) + 1]
+            n = 0
+            while n < len(props) and props[n] == argmax[n]:
+                n += 1
+            emitted.append(argmax[: n + 1])  # == accepted proposals + the argmax after them
+            num_accepted.append(n)
+            row += len(props) + 1
+        assert row == len(row_tokens), (row, len(row_tokens))
+        return VerifyResult(emitted, num_accepted)
 
     def verify(self, seqs: list[Sequence], proposals: list[list[int]],
                draft_probs: torch.Tensor | None, raw_logits: torch.Tensor) -> VerifyResult:
@@ -89,3 +111,10 @@ class Verifier:
         emitted_counts = [row[-1] for row in rows]
         emitted = [row[:n] for row, n in zip(rows, emitted_counts, strict=True)]
         return VerifyResult(emitted, [n - 1 for n in emitted_counts])
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with no logits transform that a request's parameters carry (min_tokens blocking
+    depends on the step: callers check it)."""
+    return (params.sampling_type is SamplingType.GREEDY and not params.uses_penalties
+            and not params.logit_bias and params.allowed_token_ids is None)

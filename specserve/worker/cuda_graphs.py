@@ -9,9 +9,10 @@ How it stays exact and host-independent:
 * A bucket is ``(batch_size, query_len)``: up to ``batch_size`` sequences of at most
   ``query_len`` tokens each (1 for decode, ``k + 1`` to verify ``k`` proposals). Batch sizes
   come from a ladder (1, 2, 4, ..., max); a batch is padded up to the next rung.
-* Inputs live in two static device buffers (int64: token ids, positions, KV slots; int32:
-  context lengths, query start offsets, block tables), refilled with ONE host->device copy each
-  per step. Real tokens are packed first, then padding: padded tokens have slot ``PAD_SLOT``
+* Inputs live in one static device buffer (int64: token ids, positions, KV slots; then int32:
+  context lengths, query start offsets, block tables), written on the host into a pinned twin
+  and sent with ONE host->device copy per step. Real tokens are packed first, then padding:
+  padded tokens have slot ``PAD_SLOT``
   (the KV write skips them) and belong to no sequence; padded sequences have query length 0 and
   context length 0, so the attention kernels skip them. Every op outside attention is row-wise,
   so whatever padded rows compute never reaches a real row.
@@ -21,8 +22,10 @@ How it stays exact and host-independent:
   split count for the longest possible context; the kernels take every actual range from the
   device ``seq_lens`` (splits past the context are empty and cost almost nothing).
 * Graphs are captured lazily, the first time a bucket is used, into one shared memory pool
-  (graphs never run concurrently). Only the model's hidden states are captured: the logits of
-  the rows that are sampled are computed after the replay, as in the eager path.
+  (graphs never run concurrently). Two heads per bucket: the model's hidden states (the logits
+  of the rows that are sampled are then computed after the replay, as in the eager path), or,
+  for steps whose every row is plain greedy, the argmax token of every row, with the final
+  norm, lm_head and argmax inside the graph, so the step reads back token ids alone.
 
 ``capture=False`` runs the very same padded static-buffer path eagerly: that is how the bucket
 and padding logic is tested on CPU (with the Triton kernels under the interpreter), and what a
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specserve.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -85,18 +89,20 @@ def pick_key(num_seqs: int, max_query_len: int, ladder: Sequence[int],
 
 @dataclass
 class PaddedInputs:
-    """One step's inputs laid out for a bucket, on the host (filled into the static buffers)."""
+    """One step's inputs laid out for a bucket, on the host (what the static buffer receives)."""
 
     longs: torch.Tensor  # [3 * T] int64: token ids | positions | slots (PAD_SLOT past real)
     ints: torch.Tensor  # [2 * B + 1 + n * W] int32: seq_lens | query_start_loc | n table rows
     num_tokens: int  # real tokens (packed first)
 
 
-def pad_inputs(key: GraphKey, runs: Sequence[Run], block_size: int,
-               table_width: int) -> PaddedInputs:
-    """Pack the runs' tokens first, then padding; padded sequences get q_len 0, seq_len 0.
+def write_inputs(key: GraphKey, runs: Sequence[Run], block_size: int, longs: np.ndarray,
+                 ints: np.ndarray, table_width: int) -> int:
+    """Pack the runs' tokens first, then padding, into longs [3 * T] int64 and the first
+    2 * B + 1 + n * W entries of ints (int32); padded sequences get q_len 0, seq_len 0.
+    Returns the number of real tokens.
 
-    Only the real sequences' block-table rows are sent: a padded sequence is never read."""
+    Only the real sequences' block-table rows are written: a padded sequence is never read."""
     num_seqs, tokens_cap, batch = len(runs), key.num_tokens, key.batch_size
     assert num_seqs <= batch
     ids: list[int] = []
@@ -104,8 +110,7 @@ def pad_inputs(key: GraphKey, runs: Sequence[Run], block_size: int,
     slots: list[int] = []
     seq_lens: list[int] = []
     starts = [0]
-    table = torch.zeros(num_seqs, table_width, dtype=torch.int32)  # [n, W]
-    for i, run in enumerate(runs):
+    for run in runs:
         n = len(run.token_ids)
         assert 1 <= n <= key.query_len, (n, key)
         bt = run.block_table
@@ -116,42 +121,83 @@ def pad_inputs(key: GraphKey, runs: Sequence[Run], block_size: int,
         slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
         seq_lens.append(run.start + n)
         starts.append(starts[-1] + n)
-        if bt:
-            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
-    real = len(ids)
-    pad_t = tokens_cap - real
-    pad_s = batch - num_seqs
-    longs = torch.tensor(ids + [0] * pad_t + positions + [0] * pad_t + slots + [PAD_SLOT] * pad_t,
-                         dtype=torch.int64)
-    head = torch.tensor(seq_lens + [0] * pad_s + starts + [real] * pad_s, dtype=torch.int32)
-    return PaddedInputs(longs, torch.cat([head, table.view(-1)]), real)
+    real, t = len(ids), tokens_cap
+    longs[:real] = ids
+    longs[real:t] = 0
+    longs[t : t + real] = positions
+    longs[t + real : 2 * t] = 0
+    longs[2 * t : 2 * t + real] = slots
+    longs[2 * t + real : 3 * t] = PAD_SLOT
+    ints[:num_seqs] = seq_lens
+    ints[num_seqs:batch] = 0
+    ints[batch : batch + num_seqs + 1] = starts
+    ints[batch + num_seqs + 1 : 2 * batch + 1] = real
+    head = 2 * batch + 1
+    table = ints[head : head + num_seqs * table_width].reshape(num_seqs, table_width)  # [n, W]
+    table[:] = 0
+    for i, run in enumerate(runs):
+        if run.block_table:
+            table[i, : len(run.block_table)] = run.block_table
+    return real
+
+
+def pad_inputs(key: GraphKey, runs: Sequence[Run], block_size: int,
+               table_width: int) -> PaddedInputs:
+    """write_inputs into fresh host tensors (the layout tests read)."""
+    longs = np.empty(3 * key.num_tokens, dtype=np.int64)
+    ints = np.empty(2 * key.batch_size + 1 + len(runs) * table_width, dtype=np.int32)
+    real = write_inputs(key, runs, block_size, longs, ints, table_width)
+    return PaddedInputs(torch.from_numpy(longs), torch.from_numpy(ints), real)
 
 
 class _StaticBuffers:
-    """The device buffers every graph reads; each bucket views a prefix of them."""
+    """The one device buffer every graph reads, and its pinned host twin.
+
+    A bucket of T tokens and B sequences views the front of the buffer: [3T] int64 (token
+    ids | positions | slots), then [2B + 1 + B * W] int32 (seq_lens | query_start_loc | block
+    tables). Each step writes its inputs into the host twin and sends them with ONE copy of
+    just the bytes it wrote (the padded sequences' table rows are never read, never sent)."""
 
     def __init__(self, max_batch: int, max_query_len: int, table_width: int,
                  device: torch.device) -> None:
         max_tokens = max_batch * max_query_len
         self.table_width = table_width
-        self.longs = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
-        self.ints = torch.zeros(2 * max_batch + 1 + max_batch * table_width, dtype=torch.int32,
-                                device=device)
+        nbytes = 8 * 3 * max_tokens + 4 * (2 * max_batch + 1 + max_batch * table_width)
+        self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.pinned = device.type == "cuda"
+        self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.host_np = self.host_bytes.numpy()
+        # The last copy out of host_bytes: the host must not overwrite bytes still in flight.
+        self.sent = torch.cuda.Event() if self.pinned else None
+
+    def _sizes(self, key: GraphKey) -> tuple[int, int]:
+        """(bytes of the int64 part, entries of the int32 part) of the bucket."""
+        return 24 * key.num_tokens, 2 * key.batch_size + 1 + key.batch_size * self.table_width
 
     def views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         """(input_ids [T], positions [T], slots [T], seq_lens [B], query_start_loc [B + 1],
-        block_tables [B, W]) for the bucket."""
+        block_tables [B, W]) for the bucket, on the device."""
         t, b, w = key.num_tokens, key.batch_size, self.table_width
-        longs, ints = self.longs, self.ints
+        long_bytes, num_ints = self._sizes(key)
+        longs = self.device_bytes[:long_bytes].view(torch.int64)
+        ints = self.device_bytes[long_bytes : long_bytes + 4 * num_ints].view(torch.int32)
         return (longs[:t], longs[t : 2 * t], longs[2 * t : 3 * t], ints[:b],
-                ints[b : 2 * b + 1], ints[2 * b + 1 : 2 * b + 1 + b * w].view(b, w))
+                ints[b : 2 * b + 1], ints[2 * b + 1 :].view(b, w))
 
-    def fill(self, inputs: PaddedInputs) -> None:
-        device = self.longs.device
-        pin = device.type == "cuda"
-        for dst, src in ((self.longs, inputs.longs), (self.ints, inputs.ints)):
-            src = src.pin_memory() if pin else src
-            dst[: src.numel()].copy_(src, non_blocking=pin)
+    def fill(self, key: GraphKey, runs: Sequence[Run], block_size: int) -> int:
+        """Write the runs' padded inputs and send them; returns the number of real tokens."""
+        long_bytes, num_ints = self._sizes(key)
+        if self.sent is not None:
+            self.sent.synchronize()  # a no-op in practice: every step ends in a sync
+        host = self.host_np
+        longs = host[:long_bytes].view(np.int64)
+        ints = host[long_bytes : long_bytes + 4 * num_ints].view(np.int32)
+        real = write_inputs(key, runs, block_size, longs, ints, self.table_width)
+        nbytes = long_bytes + 4 * (2 * key.batch_size + 1 + len(runs) * self.table_width)
+        self.device_bytes[:nbytes].copy_(self.host_bytes[:nbytes], non_blocking=self.pinned)
+        if self.sent is not None:
+            self.sent.record()
+        return real
 
 
 class CudaGraphRunner:
@@ -173,8 +219,11 @@ class CudaGraphRunner:
         self.table_width = math.ceil((max_model_len + max_query_len) / block_size)
         self.buffers = _StaticBuffers(self.ladder[-1], max_query_len, self.table_width, device)
         self.metas: dict[GraphKey, AttentionMetadata] = {}
+        # hidden-state head: graphs / outputs [T, hidden]; argmax head: [T] int64 tokens
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.argmax_graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.argmax_outputs: dict[GraphKey, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.capture_seconds = 0.0
 
@@ -201,51 +250,63 @@ class CudaGraphRunner:
         return meta
 
     # ---- running -----------------------------------------------------------------------------
-    def run(self, key: GraphKey, runs: Sequence[Run]) -> torch.Tensor:
-        """Final hidden states [num_real_tokens, hidden] of the runs' tokens, in order."""
-        inputs = pad_inputs(key, runs, self.block_size, self.table_width)
+    def run(self, key: GraphKey, runs: Sequence[Run], argmax: bool = False) -> torch.Tensor:
+        """Final hidden states [num_real_tokens, hidden] of the runs' tokens, in order; with
+        argmax=True the argmax of each token's logits instead ([num_real_tokens] int64)."""
+        graphs, outputs = self._head(argmax)
+        if self.capture and key not in graphs:
+            self._capture(key, argmax)
+        real = self.buffers.fill(key, runs, self.block_size)
         if not self.capture:
-            self.buffers.fill(inputs)
-            return self._forward(key)[: inputs.num_tokens]
-        if key not in self.graphs:
-            self._capture(key)
-        self.buffers.fill(inputs)
-        self.graphs[key].replay()
-        return self.outputs[key][: inputs.num_tokens]
+            return self._forward(key, argmax)[:real]
+        graphs[key].replay()
+        return outputs[key][:real]
 
-    def _forward(self, key: GraphKey) -> torch.Tensor:
+    def _head(self, argmax: bool):
+        if argmax:
+            return self.argmax_graphs, self.argmax_outputs
+        return self.graphs, self.outputs
+
+    def _forward(self, key: GraphKey, argmax: bool = False) -> torch.Tensor:
         ids, positions = self.buffers.views(key)[:2]
         meta = self._meta(key)
         if not meta.backend_state:
             self.backend.prepare(meta)  # plans once per bucket; the graph bakes the plan in
-        return self.model(ids, positions, meta)  # [T, hidden]
+        hidden = self.model(ids, positions, meta)  # [T, hidden]
+        if not argmax:
+            return hidden
+        # Raw logits' argmax (ties -> lowest id, as the sampler's): [T] int64
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
-    def _capture(self, key: GraphKey) -> None:
+    def _capture(self, key: GraphKey, argmax: bool = False) -> None:
         """Warm up eagerly on an empty batch (every kernel skips: no KV is touched), capture."""
         t0 = time.perf_counter()
-        self.buffers.fill(pad_inputs(key, [], self.block_size, self.table_width))
+        self.buffers.fill(key, [], self.block_size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self._forward(key)
+                self._forward(key, argmax)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        graphs, outputs = self._head(argmax)
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = self._forward(key)
-        self.graphs[key] = graph
+            outputs[key] = self._forward(key, argmax)
+        graphs[key] = graph
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
-        logger.info("captured CUDA graph for batch %d x %d tokens in %.2fs", key.batch_size,
-                    key.query_len, dt)
+        logger.info("captured CUDA graph (%s) for batch %d x %d tokens in %.2fs",
+                    "argmax" if argmax else "hidden", key.batch_size, key.query_len, dt)
 
-    def capture_keys(self, keys: Sequence[GraphKey]) -> None:
+    def capture_keys(self, keys: Sequence[GraphKey], heads: Sequence[bool] = (False,)) -> None:
         """Capture these buckets now instead of on first use (largest first, so the shared
-        pool is sized once); benchmarks call it to keep captures out of timed regions."""
+        pool is sized once), for each head (False: hidden states, True: argmax tokens);
+        benchmarks call it to keep captures out of timed regions."""
         for key in sorted(set(keys), reverse=True):
-            if self.capture and key not in self.graphs:
-                self._capture(key)
+            for argmax in heads:
+                if self.capture and key not in self._head(argmax)[0]:
+                    self._capture(key, argmax)
 
     def capture_all(self) -> None:
         self.capture_keys([GraphKey(b, q) for b in self.ladder
-                           for q in range(1, self.max_query_len + 1)])
+                           for q in range(1, self.max_query_len + 1)], heads=(False, True))

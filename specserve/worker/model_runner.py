@@ -212,15 +212,37 @@ class ModelRunner:
         order of runs and their logit_offsets."""
         key = self.graphs.key_for(runs) if self.graphs is not None else None
         if key is None:
-            input_ids, positions, meta, logit_rows = self._prepare(runs)
-            self.backend.prepare(meta)
-            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+            hidden, logit_rows = self._eager_hidden(runs)
         else:
             hidden = self.graphs.run(key, runs)  # [T, hidden], a view of the graph's output
             logit_rows = self._logit_rows(runs)
         if logit_rows is not None:
             hidden = hidden[logit_rows]  # [R, hidden]
         return self.model.compute_logits(hidden).float()  # [R, vocab]
+
+    @torch.inference_mode()
+    def execute_argmax(self, runs: list[SequenceRun]) -> list[int]:
+        """The argmax token of each logit row (execute's rows, in its order), on the host:
+        what greedy rows sample when no transform touches their logits. A graph step computes
+        logits and argmax inside the graph, so only the token ids come back (the step's one
+        device->host read)."""
+        key = self.graphs.key_for(runs) if self.graphs is not None else None
+        if key is None:
+            hidden, logit_rows = self._eager_hidden(runs)
+            if logit_rows is not None:
+                hidden = hidden[logit_rows]  # [R, hidden]
+            return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        tokens = self.graphs.run(key, runs, argmax=True).tolist()  # [T] real tokens
+        base, rows = 0, []
+        for run in runs:
+            rows.extend(tokens[base + o] for o in run.logit_offsets)
+            base += len(run.token_ids)
+        return rows
+
+    def _eager_hidden(self, runs: list[SequenceRun]):
+        input_ids, positions, meta, logit_rows = self._prepare(runs)
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, meta), logit_rows  # [T, hidden]
 
     def _logit_rows(self, runs: list[SequenceRun]) -> torch.Tensor | None:
         """Rows of the packed tokens whose logits are wanted; None when it is every row."""

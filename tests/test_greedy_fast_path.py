@@ -1,0 +1,151 @@
+"""The greedy fast path: steps whose every sampled row is plain greedy read back argmax token ids
+(ModelRunner.execute_argmax; inside the decode graph on a GPU) instead of logits, and the
+verifier accepts proposals from those ids alone. It must give exactly what the logits path gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import cpu_runner, tiny_llm
+
+from specserve import SamplingParams
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.sequence import Sequence
+from specserve.spec_decode import draft_model
+from specserve.spec_decode.verifier import Verifier
+from specserve.worker.model_runner import ModelRunner, SequenceRun
+
+VOCAB = 50
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _seq(i: int, params: SamplingParams, num_output: int = 3) -> Sequence:
+    seq = Sequence(i, f"r{i}", 0, [1, 2, 3], params, 0.0)
+    for t in range(num_output):
+        seq.append_token(4 + t)
+    return seq
+
+
+def _verifier(blocked=None) -> Verifier:
+    return Verifier(VOCAB, torch.Generator().manual_seed(0), blocked or (lambda s, j: []))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_accept_greedy_equals_verify(seed):
+    gen = torch.Generator().manual_seed(seed)
+    counts = [0, 1, 3, 4, 2, 4]
+    logits = torch.randn(sum(c + 1 for c in counts), VOCAB, generator=gen)  # [R, V]
+    argmax = logits.argmax(-1).tolist()
+    proposals, row = [], 0
+    for c in counts:  # proposals that match the argmax for a random prefix, then may not
+        n_match = int(torch.randint(0, c + 1, (1,), generator=gen))
+        props = [argmax[row + j] if j < n_match else int(torch.randint(0, VOCAB, (1,),
+                                                                       generator=gen))
+                 for j in range(c)]
+        proposals.append(props)
+        row += c + 1
+    seqs = [_seq(i, GREEDY) for i in range(len(counts))]
+    verifier = _verifier()
+    assert verifier.argmax_suffices(seqs)
+    slow = verifier.verify(seqs, proposals, None, logits)
+    fast = Verifier.accept_greedy(proposals, argmax)
+    assert fast.emitted == slow.emitted
+    assert fast.num_accepted == slow.num_accepted
+
+
+def test_argmax_suffices_only_for_untouched_greedy_rows():
+    verifier = _verifier()
+    plain = _seq(0, GREEDY)
+    assert verifier.argmax_suffices([plain])
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, seed=3,
+                                                                   repetition_penalty=1.2),
+                   SamplingParams(temperature=0.0, presence_penalty=0.5),
+                   SamplingParams(temperature=0.0, logit_bias={3: 5.0}),
+                   SamplingParams(temperature=0.0, allowed_token_ids=[3, 4])):
+        assert not verifier.argmax_suffices([plain, _seq(1, params)]), params
+    # min_tokens blocking (EOS forbidden for now) transforms the logits too
+    blocking = _verifier(lambda s, j: [2])
+    assert not blocking.argmax_suffices([plain])
+
+
+def test_execute_argmax_equals_argmax_of_execute(tiny_llama):
+    runner = cpu_runner(tiny_llama, 4, 32)
+    runner.execute([SequenceRun([5, 6, 7, 8, 9, 10], 0, [3, 4], [5]),
+                    SequenceRun([11, 12, 13], 0, [8], [2])])
+    # decode, verify (every row), a run without logit rows, and a partial set of rows
+    runs = [SequenceRun([1], 6, [3, 4], [0]), SequenceRun([2, 3, 4], 3, [8, 9], [0, 1, 2]),
+            SequenceRun([7, 8], 0, [12], []), SequenceRun([5, 6], 2, [14], [1])]
+    logits = runner.execute(runs)
+    assert runner.execute_argmax(runs) == logits.argmax(-1).tolist()
+
+
+def _count_fast_steps(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = ModelRunner.execute_argmax
+
+    def spy(self, runs):
+        calls.append(len(runs))
+        return original(self, runs)
+
+    monkeypatch.setattr(ModelRunner, "execute_argmax", spy)
+    return calls
+
+
+def test_engine_takes_fast_path_only_when_it_is_exact(tiny_llama, test_prompts, monkeypatch):
+    prompts = test_prompts[:3]
+    llm = tiny_llm(tiny_llama)
+    monkeypatch.setattr(LLMEngine, "_argmax_suffices", lambda *a: False)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.undo()
+    calls = _count_fast_steps(monkeypatch)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == reference
+    assert len(calls) == GREEDY.max_tokens  # every step: prefill, then decode steps
+    calls.clear()
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3,
+                               ignore_eos=True)
+    llm.generate(prompts, [GREEDY, with_logprobs, penalised], use_tqdm=False)
+    # only the steps after the logprobs and penalty requests have finished
+    assert len(calls) == GREEDY.max_tokens - 4
+
+
+def test_speculative_greedy_unchanged_by_fast_path(tiny_llama, tiny_llama_draft, test_prompts,
+                                                   monkeypatch):
+    prompts = test_prompts[:3]
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3,
+                   speculative_adaptive=False)
+    engine = llm.llm_engine
+    monkeypatch.setattr(LLMEngine, "_argmax_suffices", lambda *a: False)
+    monkeypatch.setattr(draft_model, "is_plain_greedy", lambda params: False)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.undo()
+    calls = _count_fast_steps(monkeypatch)
+    draft_probs = []
+    propose = engine.speculation.proposer.propose
+    monkeypatch.setattr(engine.speculation.proposer, "propose", lambda seqs, ks: (
+        out := propose(seqs, ks), draft_probs.append(out.probs))[0])
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == reference
+    # target verify steps and draft steps both read argmax ids; greedy drafts keep no q
+    assert len(calls) > GREEDY.max_tokens and draft_probs
+    assert all(p is None for p in draft_probs)
+
+
+def test_replay_proposer_replays_on_the_greedy_draft_path(tiny_llama, tiny_llama_draft,
+                                                          test_prompts, monkeypatch):
+    """The benchmark proposer swaps the draft's tokens on the argmax path too (bench section 4)."""
+    monkeypatch.setenv("SPECSERVE_BENCHMARK_PROPOSER", "1")
+    from specserve.spec_decode.benchmark_proposer import ReplayProposer
+
+    plain = tiny_llm(tiny_llama).generate(test_prompts[0], GREEDY, use_tqdm=False)[0]
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3,
+                   speculative_adaptive=False)
+    driver = llm.llm_engine.speculation
+    replay = ReplayProposer(driver.proposer,
+                            {tuple(plain.prompt_token_ids): plain.outputs[0].token_ids}, 1.0)
+    driver.proposer = replay
+    got = llm.generate(test_prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == plain.outputs[0].token_ids
+    assert replay.num_accepted > 0 and replay.per_token_acceptance == 1.0
