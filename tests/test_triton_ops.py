@@ -76,3 +76,22 @@ def test_add_rms_norm_matches_unfused(hidden):
     torch.testing.assert_close(res, ref_res, atol=0, rtol=0)  # one float32 add: exact
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     assert out.data_ptr() != x.data_ptr() and res.data_ptr() != residual.data_ptr()
+
+
+@pytest.mark.parametrize("rows,cols,bias,config", [(48, 64, False, (2, 32, 4, 3)),
+                                                   (51, 70, True, (16, 32, 4, 1)),
+                                                   (6, 5000, True, (2, 2048, 8, 3))])
+def test_gemv_matches_linear(rows, cols, bias, config):
+    """One-row GEMV: even and uneven shapes (row tail, column tail, several column blocks)."""
+    gen = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(cols, rows, bias=bias)
+    x = torch.randn(2, cols, generator=gen)[1:]  # [1, K], a view
+    out = triton_ops.gemv(x, layer.weight, layer.bias, config)
+    torch.testing.assert_close(out, layer(x), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_dispatches_only_one_cuda_half_row():
+    """CPU (and float32, and several rows) keep the module's own product."""
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(1, 8)
+    assert torch.equal(triton_ops.linear(layer, x), layer(x))

@@ -46,7 +46,7 @@ class LlamaAttentionBlock(nn.Module):
         if rope is None:
             rope = self.rotary_emb.table(positions)
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, q + 2*kv]
+        qkv = triton_ops.linear(self.qkv_proj, hidden)  # [T, q + 2*kv]
         # q and k rotate together: one set of ops over H + KvH heads instead of two.
         qk = self.rotary_emb.rotate(
             qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1),
@@ -54,7 +54,7 @@ class LlamaAttentionBlock(nn.Module):
         qk = qk.view(t, -1)  # [T, q + kv]
         q, k = qk[:, : self.q_size], qk[:, self.q_size :]
         v = qkv[:, self.q_size + self.kv_size :]  # [T, kv]
-        return self.o_proj(self.attn(q, k, v, meta))
+        return triton_ops.linear(self.o_proj, self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -69,9 +69,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported for Llama models (only 'silu').")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if triton_ops.available(gate_up):
-            return self.down_proj(triton_ops.silu_mul(gate_up))  # one kernel instead of 2
+        gate_up = triton_ops.linear(self.gate_up_proj, x)  # [T, 2I]
+        if triton_ops.available(gate_up):  # one kernel instead of 2
+            return triton_ops.linear(self.down_proj, triton_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -139,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return triton_ops.linear(self.lm_head, hidden)
 
     def kv_geometry(self) -> KVGeometry:
         block = self.model.layers[0].self_attn
