@@ -85,20 +85,36 @@ def _block_ids(meta: AttentionMetadata) -> torch.Tensor:
     return meta.block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
 
 
-class _DecodeLayout(_Layout):
+class _ContextLayout(_Layout):
+    """A layout whose queries read each sequence's context [0, max_seq_len) from the paged
+    cache: through the step's mirror when it has one, else by gathering whole blocks."""
+
     def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
         self.max_k = meta.max_seq_len
         self.mirror = mirror  # None: gather the context from the paged cache in every layer
         self.block_ids = _block_ids(meta) if mirror is None else None  # [S * nb]
+
+    def wrote_kv(self, key, value, k_cache):
+        if self.mirror is not None:
+            self.mirror.write(key, value, k_cache)
+
+    def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values, [S, KvH, max_k, D] each."""
+        if self.mirror is not None:
+            return self.mirror.context(k_cache, v_cache, self.max_k)
+        return (_gather_blocks(k_cache, self.block_ids, num_seqs, self.max_k),
+                _gather_blocks(v_cache, self.block_ids, num_seqs, self.max_k))
+
+
+class _DecodeLayout(_ContextLayout):
+    def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
+        super().__init__(meta, mirror)
         self.mask = None  # equal context lengths: the gathered keys are exactly the context
         if min(meta.seq_lens_host) != self.max_k:
             k_pos = torch.arange(self.max_k, device=meta.seq_lens.device)  # [K]
             allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
             self.mask = _AdditiveMask(allowed[:, None, None, :])  # [S, 1, 1, K]
-
-    def wrote_kv(self, key, value, k_cache):
-        if self.mirror is not None:
-            self.mirror.write(key, value, k_cache)
 
     def attend(self, query, k_cache, v_cache, scale):
         s, num_heads, head_dim = query.shape
@@ -106,11 +122,7 @@ class _DecodeLayout(_Layout):
         # The G = H / KvH query heads sharing a KV head become G query rows of that head (HF
         # maps query head h to KV head h // G, which is exactly this view): no KV repeat.
         q = query.reshape(s, kv_heads, num_heads // kv_heads, head_dim)  # [S, KvH, G, D]
-        if self.mirror is not None:
-            k, v = self.mirror.context(k_cache, v_cache, self.max_k)  # [S, KvH, K, D] each
-        else:
-            k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
-            v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
+        k, v = self.context(k_cache, v_cache, s)  # [S, KvH, K, D] each
         mask = None if self.mask is None else self.mask.get(query.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return out.reshape(s, num_heads, head_dim)  # [S, KvH, G, D] -> [T, H, D]
@@ -163,11 +175,10 @@ class _PrefillLayout(_Layout):
         return _unpad(out, self.real_rows)  # [T, H, D]
 
 
-class _MixedLayout(_Layout):
+class _MixedLayout(_ContextLayout):
     def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
+        super().__init__(meta, mirror)
         device = meta.slot_mapping.device
-        self.max_k = meta.max_seq_len
-        self.mirror = mirror  # None: gather the context from the paged cache in every layer
         self.q_index, self.real_rows = _padded_query_index(meta)  # [S, Q], [T]
         query_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)  # [S]
         seq_lens = meta.seq_lens.to(torch.int64)  # [S]
@@ -181,20 +192,11 @@ class _MixedLayout(_Layout):
         # Padded query rows attend to key 0 so that softmax never sees an all-masked row.
         allowed[:, :, 0] = True
         self.mask = _AdditiveMask(allowed[:, None])  # [S, 1, Q, K]
-        self.block_ids = _block_ids(meta) if mirror is None else None  # [S * nb]
-
-    def wrote_kv(self, key, value, k_cache):
-        if self.mirror is not None:
-            self.mirror.write(key, value, k_cache)
 
     def attend(self, query, k_cache, v_cache, scale):
         s = self.q_index.shape[0]
         q = query[self.q_index].transpose(1, 2)  # [S, H, Q, D]
-        if self.mirror is not None:
-            k, v = self.mirror.context(k_cache, v_cache, self.max_k)  # [S, KvH, K, D] each
-        else:
-            k = _gather_blocks(k_cache, self.block_ids, s, self.max_k)  # [S, KvH, K, D]
-            v = _gather_blocks(v_cache, self.block_ids, s, self.max_k)
+        k, v = self.context(k_cache, v_cache, s)  # [S, KvH, K, D] each
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.get(query.dtype),
                                              scale=scale,
                                              enable_gqa=query.shape[1] != k_cache.shape[2])
