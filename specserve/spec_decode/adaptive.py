@@ -86,6 +86,11 @@ class _Samples:
             self.values.popleft()
         return [v for _, v in self.values]
 
+    def drop_above(self, limit: float) -> None:
+        kept = [(step, v) for step, v in self.values if v <= limit]
+        self.values.clear()
+        self.values.extend(kept)
+
     def low(self, step: int, expiry: int) -> float | None:
         """The smallest unexpired value: other load on the machine only ever slows a step
         down, so the fastest recent time is the best estimate of what the step itself costs."""
@@ -135,9 +140,7 @@ class StepCosts:
         step decodes plainly and measures the plain time again."""
         for b, samples in self.plain.items():
             if b <= batch_size:
-                kept = [(step, t) for step, t in samples.values if t <= seconds]
-                samples.values.clear()
-                samples.values.extend(kept)
+                samples.drop_above(seconds)
 
     def observe_catch_up(self, batch_size: int, seconds: float) -> None:
         """A step in which the draft caught up on tokens it skipped: what a probe costs."""
