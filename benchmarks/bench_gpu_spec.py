@@ -74,6 +74,7 @@ WALK_EMBED_STD = 1000.0  # >> the ~20 rms that 32 random layers add to the resid
 WALK_HEAD_STD = 0.01
 PROMPT_LEN = 128
 K_SPEC = 4
+MULTI_STEPS = 8  # num_scheduler_steps of the multi-step rows
 ACCEPTANCES = (0.5, 0.7, 0.9)
 STALL_SECONDS = 0.1  # an engine step this slow is a one-time compile, not the policy's doing
 LOG: list[str] = []
@@ -254,6 +255,14 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int, label: str):
     outs = [done[r] for r in rids]
     assert all(len(o) == new_tokens for o in outs), [len(o) for o in outs]
     return (total - tokens_at_first) / elapsed, outs, decode_steps
+
+
+def set_scheduler_steps(llm: LLM, steps: int) -> None:
+    """Switch an engine's multi-step decoding in place (what LLM(num_scheduler_steps=...)
+    configures), so one loaded model serves both rows of a comparison."""
+    engine = llm.llm_engine
+    engine.num_scheduler_steps = steps
+    engine.scheduler.num_lookahead_slots = steps - 1
 
 
 def hf_decode_rate(model, prompt: list[int], new_tokens: int, device) -> tuple[float, list[int]]:
@@ -616,6 +625,13 @@ def main() -> int:
     bytes_tok = t_read + avg_ctx * kv_per_token
     roof = bw / bytes_tok
     wall1, gpu1 = step_time(runner, 1, 1, int(avg_ctx), 30, argmax=True)  # greedy step
+    # The same run with multi-step decoding (num_scheduler_steps): the host enqueues
+    # MULTI_STEPS forwards and reads their tokens once. Same engine, switched in place.
+    set_scheduler_steps(llm, MULTI_STEPS)
+    run_engine(llm, p1, 8, "warm-ms")
+    ms_tok_s, outs_ms, _ = run_engine(llm, p1, new1, "b1-ms")
+    set_scheduler_steps(llm, 1)
+    say(f"multi-step b1 output == one-step output: {outs_ms == outs1}")
     if args.profile:
         profile_decode(llm, p1, args.out)
     graphs_saved = runner.graphs
@@ -630,7 +646,8 @@ def main() -> int:
         say(f"8B greedy, graphs vs enforce_eager path: "
             f"{agreeing_prefix(outs1[0], outs_eager[0])}/32 tokens agree; vs transformers: "
             f"{agreeing_prefix(outs1[0], hf_tokens)}/{len(hf_tokens)}")
-    results["decode_b1"] = dict(tok_s=tok_s, eager_tok_s=eager_tok_s, hf_tok_s=hf_tok_s,
+    results["decode_b1"] = dict(tok_s=tok_s, ms_tok_s=ms_tok_s, eager_tok_s=eager_tok_s,
+                                hf_tok_s=hf_tok_s,
                                 bytes_per_token=bytes_tok, roofline_tok_s=roof,
                                 step_wall_s=wall1, step_gpu_s=gpu1)
 
@@ -642,8 +659,11 @@ def main() -> int:
         batches = (1, 8) if smoke else (1, 32)
     for b in batches:
         ps = p1 if b == 1 else prompts(b)
-        rate, _, _ = run_engine(llm, ps, 16 if smoke else 128, f"thr{b}")
-        thr.append((b, rate))
+        rate, outs, _ = run_engine(llm, ps, 16 if smoke else 128, f"thr{b}")
+        set_scheduler_steps(llm, MULTI_STEPS)
+        ms_rate, ms_outs, _ = run_engine(llm, ps, 16 if smoke else 128, f"thr{b}-ms")
+        set_scheduler_steps(llm, 1)
+        thr.append((b, rate, ms_rate, ms_outs == outs))
     # FLOPs per token: 2 per weight multiplied (all but the embedding) + attention (ctx 192)
     flops_tok = 2 * t_read / dtype.itemsize + 4 * tshape["num_hidden_layers"] * tshape[
         "hidden_size"] * (PROMPT_LEN + 64)
@@ -722,7 +742,8 @@ def main() -> int:
             ideal = ideal_speedup(acc, K_SPEC, c)
             rows.append((1, a, acc, rate, rate / tok_s, ideal, outs[0] == calib[0], *stats))
         new32 = 16 if smoke else 128
-        plain32 = dict(thr).get(32) or dict(thr)[8]
+        plain = {b: rate for b, rate, *_ in thr}
+        plain32 = plain.get(32) or plain[8]
         _, calib32, _, _ = spec_run(b32, new32, 0.0, False)
         replay.continuations.update({tuple(p): o for p, o in zip(b32, calib32, strict=True)})
         for a in ACCEPTANCES:
@@ -767,6 +788,9 @@ def main() -> int:
     say(f"| specserve, CUDA graphs (end to end) | {d['tok_s']:.1f} | {1e3 / d['tok_s']:.2f} | "
         f"{bytes_tok / 1e9:.2f} GB | {100 * d['tok_s'] / roof:.1f}% | "
         f"{d['tok_s'] / hf_tok_s:.1f}x |")
+    say(f"| specserve, CUDA graphs, num_scheduler_steps={MULTI_STEPS} (end to end) | "
+        f"{d['ms_tok_s']:.1f} | {1e3 / d['ms_tok_s']:.2f} | {bytes_tok / 1e9:.2f} GB | "
+        f"{100 * d['ms_tok_s'] / roof:.1f}% | {d['ms_tok_s'] / hf_tok_s:.1f}x |")
     say(f"| specserve, one greedy step: execute_argmax() wall | {1 / wall1:.1f} | "
         f"{1e3 * wall1:.2f} | | "
         f"{100 / wall1 / roof:.1f}% | |")
@@ -782,10 +806,11 @@ def main() -> int:
         f"= {roof:.0f} tok/s")
 
     say("\n== 2. throughput (128-token prompts, 128 new tokens, greedy)")
-    say("| batch | decode tok/s | % of bf16 matmul ceiling |")
-    say("|---|---|---|")
-    for b, rate in thr:
-        say(f"| {b} | {rate:.0f} | {100 * rate * flops_tok / mm:.1f}% |")
+    say(f"| batch | decode tok/s | % of bf16 matmul ceiling | num_scheduler_steps={MULTI_STEPS} "
+        "tok/s | same tokens |")
+    say("|---|---|---|---|---|")
+    for b, rate, ms_rate, same in thr:
+        say(f"| {b} | {rate:.0f} | {100 * rate * flops_tok / mm:.1f}% | {ms_rate:.0f} | {same} |")
 
     say("\n== 3. verify cost: step with k+1 query tokens / plain decode step (context 512)")
     say("| batch | measure | decode ms | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |")

@@ -110,8 +110,16 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # None: derived from max_model_len
     enable_chunked_prefill: bool = True
+    # Plain greedy decode steps run this many forwards per scheduling round, feeding each
+    # token back on the device (vLLM v0's multi-step scheduling); 1 = off.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        _require(
+            isinstance(self.num_scheduler_steps, int) and not isinstance(
+                self.num_scheduler_steps, bool) and self.num_scheduler_steps >= 1,
+            f"num_scheduler_steps={self.num_scheduler_steps!r} must be an int >= 1.",
+        )
         _require(
             isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
             f"max_num_seqs={self.max_num_seqs!r} must be an int >= 1.",

@@ -43,6 +43,7 @@ ROUND_TRIP: dict[str, tuple[list[str], object]] = {
     "max_num_seqs": (["8"], 8),
     "max_num_batched_tokens": (["512"], 512),
     "enable_chunked_prefill": (["false"], False),
+    "num_scheduler_steps": (["8"], 8),
     "kv_cache_memory_bytes": (["1G"], 2**30),
     "num_gpu_blocks_override": (["100"], 100),
     "speculative_model": (["[ngram]"], "[ngram]"),

@@ -190,7 +190,28 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
     assert generate() == reference
     assert generate(speculative_model=str(tiny_llama_draft), num_speculative_tokens=3) == reference
-    assert len(used) == 3  # plain target; target + draft
+    assert generate(num_scheduler_steps=5) == reference  # tokens fed back in the buffer
+    assert len(used) == 4  # plain target; target + draft; multi-step target
+
+
+@needs_interpreter
+def test_padded_multi_step_feeds_tokens_back(tiny_llama, triton_backend, single_thread):
+    """run_argmax_steps: each step's argmax goes into the next step's token ids on the
+    device, positions and slots advance; the tokens equal one-step-at-a-time decoding."""
+    from helpers import cpu_runner
+
+    runner = cpu_runner(tiny_llama, BLOCK, 32)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    tables = [[3, 4, 5, 6], [8, 9, 10]]  # room for 6 more tokens each
+    _prefill(runner, prompts, tables)
+    runs = [SequenceRun([1], 6, tables[0], [0]), SequenceRun([2], 3, tables[1], [0])]
+    eager = runner.execute_argmax_steps(runs, 6)  # no graphs: a loop of execute_argmax
+    assert [len(t) for t in eager] == [6, 6]
+    assert runner.enable_cuda_graphs(max_batch=4, max_query_len=2, max_model_len=64,
+                                     capture=False)
+    assert runner.graphs.key_for(runs) == GraphKey(2, 1)
+    assert runner.execute_argmax_steps(runs, 6) == eager
+    assert runner.execute_argmax_steps(runs[:1], 6) == eager[:1]  # a padded bucket of 1
 
 
 def test_in_fresh_interpreter_process():

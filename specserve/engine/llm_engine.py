@@ -28,7 +28,7 @@ from specserve.sample.sampler import compute_logprobs
 from specserve.sampling_params import SamplingParams, SamplingType
 from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.factory import check_implemented, create_proposer, load_draft_runner
-from specserve.spec_decode.verifier import Verifier
+from specserve.spec_decode.verifier import Verifier, VerifyResult
 from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
 from specserve.worker.loading import load_model
@@ -60,6 +60,12 @@ class LLMEngine:
         self.args = args
         if args.speculative is not None:
             check_implemented(args.speculative)  # fail before any weights load
+            if args.scheduler.num_scheduler_steps > 1:
+                raise ValueError(
+                    f"num_scheduler_steps={args.scheduler.num_scheduler_steps} cannot be "
+                    "combined with speculative decoding (a speculative step already emits "
+                    "several tokens); use num_scheduler_steps=1 or drop the speculative "
+                    "arguments.")
         self.device = resolve_device(args.device)
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
@@ -91,8 +97,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size,
                                           args.cache.enable_prefix_caching)
         k = spec.num_speculative_tokens if spec is not None else 0
+        self.num_scheduler_steps = sched.num_scheduler_steps
+        # Multi-step decoding reserves its later steps' KV slots as lookahead, as speculation
+        # reserves its proposals' slots: unused ones are rolled back after the step.
+        lookahead = max(k, self.num_scheduler_steps - 1)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
-                                   num_lookahead_slots=k, max_model_len=self.max_model_len)
+                                   num_lookahead_slots=lookahead,
+                                   max_model_len=self.max_model_len)
         self.runner.warm_up_kernels(self.max_model_len)  # no-ops off CUDA
         if draft_runner is not None:
             draft_runner.warm_up_kernels(spec_max_model_len)
@@ -275,7 +286,13 @@ class LLMEngine:
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
         seqs = [s.seq for s in sampled]
         logits = logprobs = None
-        if self._argmax_suffices(seqs, prompt_rows):
+        num_steps = self._multi_step_window(sched.scheduled, prompt_rows)
+        if num_steps > 1:
+            # Greedy multi-step window: each sequence's tokens of num_steps forwards, committed
+            # below like an accepted run (a stop inside the window truncates there).
+            emitted = self.runner.execute_argmax_steps(runs, num_steps)
+            verified = VerifyResult(emitted, [0] * len(emitted))
+        elif self._argmax_suffices(seqs, prompt_rows):
             # Greedy fast path: the target pass returns each row's argmax token, not logits
             # (ONE pass still scores everything; its token read is the step's one sync).
             verified = self.verifier.accept_greedy(proposals, self.runner.execute_argmax(runs))
@@ -337,6 +354,29 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.on_committed(seq, req.metrics, num_tokens_before, len(proposals),
                                           num_accepted, num_committed)
+
+    def _multi_step_window(self, scheduled: list[ScheduledSequence],
+                           prompt_rows: dict[int, list[int]]) -> int:
+        """How many greedy decode forwards this step runs back to back (1: a normal step).
+
+        A window needs: num_scheduler_steps > 1, every scheduled sequence a plain greedy
+        decode (one new token, logits untouched, no logprobs: its next input is the argmax,
+        known on the device) with KV slots reserved ahead, and nobody waiting (a window would
+        delay their admission). It is as long as the shortest reservation, and no longer than
+        the most tokens any sequence may still emit."""
+        if self.num_scheduler_steps <= 1 or self.scheduler.waiting or not scheduled:
+            return 1
+        if any(not s.samples or s.num_new_tokens != 1 for s in scheduled):
+            return 1
+        seqs = [s.seq for s in scheduled]
+        if not self._argmax_suffices(seqs, prompt_rows):
+            return 1
+        window = 1 + min(s.num_lookahead for s in scheduled)
+        budgets = [s.params.max_tokens - s.num_output_tokens for s in seqs
+                   if s.params.max_tokens is not None]
+        if len(budgets) == len(seqs):
+            window = min(window, max(budgets))
+        return max(1, min(window, self.num_scheduler_steps))
 
     def _argmax_suffices(self, seqs: list[Sequence], prompt_rows: dict[int, list[int]]) -> bool:
         """No logits are needed this step: no prompt logprobs, no sampled logprobs, and every

@@ -155,6 +155,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("max_num_batched_tokens", parse_human_int, "token budget of one step"),
     EngineFlag("enable_chunked_prefill", None, "split long prompts over several steps",
                bool_value=True),
+    EngineFlag("num_scheduler_steps", int,
+               "greedy decode forwards per scheduling round, tokens fed back on the device"),
     EngineFlag("kv_cache_memory_bytes", parse_human_int,
                "KV-cache size in bytes, e.g. 2G (overrides gpu_memory_utilization)"),
     EngineFlag("num_gpu_blocks_override", int, "exact number of KV-cache blocks"),

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,6 +169,7 @@ class _StaticBuffers:
         self.host_np = self.host_bytes.numpy()
         # The last copy out of host_bytes: the host must not overwrite bytes still in flight.
         self.sent = torch.cuda.Event() if self.pinned else None
+        self.steps_host: torch.Tensor | None = None  # fill_steps' staging, grown on demand
 
     def _sizes(self, key: GraphKey) -> tuple[int, int]:
         """(bytes of the int64 part, entries of the int32 part) of the bucket."""
@@ -186,18 +187,55 @@ class _StaticBuffers:
 
     def fill(self, key: GraphKey, runs: Sequence[Run], block_size: int) -> int:
         """Write the runs' padded inputs and send them; returns the number of real tokens."""
-        long_bytes, num_ints = self._sizes(key)
         if self.sent is not None:
             self.sent.synchronize()  # a no-op in practice: every step ends in a sync
-        host = self.host_np
+        real = self._send(key, runs, block_size, self.host_bytes)
+        if self.sent is not None:
+            self.sent.record()
+        return real
+
+    def fill_steps(self, key: GraphKey, runs: Sequence[Run], block_size: int,
+                   num_steps: int) -> Iterator[int]:
+        """fill() for num_steps consecutive decode steps, one step per iteration: before the
+        j-th step runs, the buffer holds the runs advanced by j positions (token ids 0: the
+        caller feeds them on the device). Each step's bytes go through their own slice of a
+        pinned staging area, so the host can write step j + 1 while step j's copy is still
+        in flight; the copies are ordered with the graph replays on the current stream."""
+        if self.sent is not None:
+            self.sent.synchronize()
+        step_bytes = self.host_bytes.numel()
+        staging = self._staging(num_steps * step_bytes)
+        for j in range(num_steps):
+            shifted = [_Shifted(r.start + j, r.block_table) for r in runs] if j else runs
+            yield self._send(key, shifted, block_size, staging[j * step_bytes :])
+        if self.sent is not None:
+            self.sent.record()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self.steps_host is None or self.steps_host.numel() < nbytes:
+            self.steps_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.steps_host
+
+    def _send(self, key: GraphKey, runs: Sequence[Run], block_size: int,
+              host_bytes: torch.Tensor) -> int:
+        long_bytes, num_ints = self._sizes(key)
+        host = host_bytes.numpy()
         longs = host[:long_bytes].view(np.int64)
         ints = host[long_bytes : long_bytes + 4 * num_ints].view(np.int32)
         real = write_inputs(key, runs, block_size, longs, ints, self.table_width)
         nbytes = long_bytes + 4 * (2 * key.batch_size + 1 + len(runs) * self.table_width)
-        self.device_bytes[:nbytes].copy_(self.host_bytes[:nbytes], non_blocking=self.pinned)
-        if self.sent is not None:
-            self.sent.record()
+        self.device_bytes[:nbytes].copy_(host_bytes[:nbytes], non_blocking=self.pinned)
         return real
+
+
+@dataclass
+class _Shifted:
+    """A decode run advanced to a later position of a multi-step window (its token is fed on
+    the device, so the host writes a placeholder)."""
+
+    start: int
+    block_table: list[int]
+    token_ids: tuple[int] = (0,)
 
 
 class CudaGraphRunner:
@@ -261,6 +299,31 @@ class CudaGraphRunner:
             return self._forward(key, argmax)[:real]
         graphs[key].replay()
         return outputs[key][:real]
+
+    def run_argmax_steps(self, key: GraphKey, runs: Sequence[Run],
+                         num_steps: int) -> torch.Tensor:
+        """num_steps greedy decode steps of one-token runs, each step's argmax fed back as
+        the next step's token on the device; returns the tokens [num_steps, num_runs] on the
+        device. No host sync inside: every copy and replay is queued on the current stream,
+        so the GPU runs the steps back to back while the host stages the next inputs."""
+        assert key.query_len == 1
+        graphs, outputs = self._head(True)
+        if self.capture and key not in graphs:
+            self._capture(key, True)
+        ids = self.buffers.views(key)[0]  # [T] the graph's token ids
+        tokens = torch.empty(num_steps, len(runs), dtype=torch.int64,
+                             device=self.device)  # [steps, n]
+        for j, real in enumerate(self.buffers.fill_steps(key, runs, self.block_size,
+                                                         num_steps)):
+            if j:
+                ids[:real].copy_(tokens[j - 1])
+            if self.capture:
+                graphs[key].replay()
+                out = outputs[key]
+            else:
+                out = self._forward(key, argmax=True)
+            tokens[j].copy_(out[:real])
+        return tokens
 
     def _head(self, argmax: bool):
         if argmax:
