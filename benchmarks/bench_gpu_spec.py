@@ -263,6 +263,7 @@ def set_scheduler_steps(llm: LLM, steps: int) -> None:
     engine = llm.llm_engine
     engine.num_scheduler_steps = steps
     engine.scheduler.num_lookahead_slots = steps - 1
+    engine.scheduler.budget_lookahead = False
 
 
 def hf_decode_rate(model, prompt: list[int], new_tokens: int, device) -> tuple[float, list[int]]:

@@ -105,3 +105,23 @@ def test_argument_checks(tiny_llama):
     with pytest.raises(ValueError, match="num_scheduler_steps=4 cannot be combined"):
         tiny_llm(tiny_llama, num_scheduler_steps=4, speculative_model="[ngram]",
                  num_speculative_tokens=3, ngram_prompt_lookup_max=3)
+
+
+def test_window_slots_take_no_token_budget(tiny_llama, test_prompts, monkeypatch):
+    """A window's later forwards are one token per sequence each: its reserved slots must not
+    eat the step's token budget (else a large batch is split into several windows)."""
+    prompts = test_prompts[:12]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = _summary(tiny_llm(tiny_llama, max_num_batched_tokens=64).generate(
+        prompts, params, use_tqdm=False))
+    batches: list[int] = []
+    original = ModelRunner.execute_argmax_steps
+
+    def spy(self, runs, num_steps):
+        batches.append(len(runs))
+        return original(self, runs, num_steps)
+
+    monkeypatch.setattr(ModelRunner, "execute_argmax_steps", spy)
+    llm = tiny_llm(tiny_llama, max_num_batched_tokens=64, num_scheduler_steps=8)
+    assert _summary(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert batches and batches[0] == len(prompts)  # 12 x 8 slots > 64 tokens of budget

@@ -99,11 +99,13 @@ class LLMEngine:
         k = spec.num_speculative_tokens if spec is not None else 0
         self.num_scheduler_steps = sched.num_scheduler_steps
         # Multi-step decoding reserves its later steps' KV slots as lookahead, as speculation
-        # reserves its proposals' slots: unused ones are rolled back after the step.
+        # reserves its proposals' slots (unused ones are rolled back after the step); they
+        # are not tokens of one forward, so they take no token budget.
         lookahead = max(k, self.num_scheduler_steps - 1)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
                                    num_lookahead_slots=lookahead,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   budget_lookahead=spec is not None)
         self.runner.warm_up_kernels(self.max_model_len)  # no-ops off CUDA
         if draft_runner is not None:
             draft_runner.warm_up_kernels(spec_max_model_len)

@@ -44,13 +44,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, budget_lookahead: bool = True) -> None:
         self.block_manager = block_manager
         # Speculation verifies k proposals per decoding sequence: each decode reserves k extra
         # KV slots and k extra tokens of budget ("lookahead"); unused ones are rolled back.
         # A sequence of T tokens can still gain max_model_len - T, so it never needs more than
         # max_model_len - T - 1 lookahead slots (the last token is never fed back).
         self.num_lookahead_slots = num_lookahead_slots
+        # budget_lookahead=False (multi-step decoding): the lookahead slots are the KV of the
+        # window's later forwards, each of them one token per sequence, so they cost no token
+        # budget; and they are reserved only when nobody waits (the engine runs no window then).
+        self.budget_lookahead = budget_lookahead
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,7 +88,10 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             lookahead = 0
             if num_new == seq.num_tokens - seq.num_computed_tokens == 1:
-                lookahead = min(self.num_lookahead_slots, budget - 1)
+                if self.budget_lookahead:
+                    lookahead = min(self.num_lookahead_slots, budget - 1)
+                elif not self.waiting:
+                    lookahead = self.num_lookahead_slots
                 if self.max_model_len is not None:
                     lookahead = max(0, min(lookahead, self.max_model_len - seq.num_tokens - 1))
             target = seq.num_computed_tokens + num_new + lookahead
@@ -95,7 +102,7 @@ class Scheduler:
                 break
             bm.grow(seq, target)
             out.scheduled.append(ScheduledSequence(seq, num_new, lookahead))
-            budget -= num_new + lookahead
+            budget -= num_new + (lookahead if self.budget_lookahead else 0)
             i += 1
         if out.preempted:
             return out  # memory is tight: let the running set drain before admitting more
