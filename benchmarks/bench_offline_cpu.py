@@ -82,10 +82,11 @@ def timed(fn: Callable[[], object]) -> float:
 
 # ---- specserve ----------------------------------------------------------------------------------
 class Ours:
-    def __init__(self, quantization: str | None = None) -> None:
+    def __init__(self, quantization: str | None = None, num_scheduler_steps: int = 1) -> None:
         from specserve import LLM
 
-        self.llm = LLM(device="cpu", enable_prefix_caching=False, quantization=quantization)
+        self.llm = LLM(device="cpu", enable_prefix_caching=False, quantization=quantization,
+                       num_scheduler_steps=num_scheduler_steps)
         self.gguf = self.llm.llm_engine.source.gguf_file
 
     def chat_ids(self, text: str) -> list[int]:
@@ -227,6 +228,9 @@ def main() -> None:
     parser.add_argument("--quantization", nargs="*", default=[], choices=["int4", "int8"],
                         help="also run specserve with these quantization methods (opt-in, "
                              "approximate: see README)")
+    parser.add_argument("--scheduler-steps", nargs="*", type=int, default=[],
+                        help="also run specserve with these num_scheduler_steps (multi-step "
+                             "greedy decoding; exact)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp"])
     parser.add_argument("--idle-wait", type=float, default=0.0, metavar="SECONDS",
                         help="before each timing, wait up to this long for the CPUs to go idle "
@@ -244,6 +248,8 @@ def main() -> None:
     engines: dict = {"specserve": ours}
     for method in args.quantization:
         engines[f"specserve {method}"] = Ours(quantization=method)
+    for steps in args.scheduler_steps:
+        engines[f"specserve steps={steps}"] = Ours(num_scheduler_steps=steps)
     if "transformers" not in args.skip:
         engines["transformers"] = Transformers(ours.gguf)
     if "llama.cpp" not in args.skip:
