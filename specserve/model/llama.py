@@ -45,16 +45,10 @@ class LlamaAttentionBlock(nn.Module):
         by LlamaModel for all layers); computed here when the layer is called alone."""
         if rope is None:
             rope = self.rotary_emb.table(positions)
-        t = hidden.shape[0]
         qkv = triton_ops.linear(self.qkv_proj, hidden)  # [T, q + 2*kv]
-        # q and k rotate together: one set of ops over H + KvH heads instead of two.
-        qk = self.rotary_emb.rotate(
-            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1),
-            rope)  # [T, H + KvH, D]
-        qk = qk.view(t, -1)  # [T, q + kv]
-        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
-        v = qkv[:, self.q_size + self.kv_size :]  # [T, kv]
-        return triton_ops.linear(self.o_proj, self.attn(q, k, v, meta))
+        # Rotation and the K/V cache write are the backend's (fused into one kernel on CUDA).
+        attn = self.attn.forward_packed(qkv, self.rotary_emb, rope, meta)  # [T, q]
+        return triton_ops.linear(self.o_proj, attn)
 
 
 class LlamaMLP(nn.Module):
