@@ -10,14 +10,15 @@ On the device, in one process:
      gate_up_silu tile configs timed against gemv + silu_mul (CUDA graphs of 16 calls).
   2. model: a random Llama-3-8B-config model built with specserve's classes in bf16, and a
      float32 copy of the same weights as reference. A 384-token prompt then 8 teacher-forced
-     decode steps (graph replays) with the fusions on and off: logits bit-equal on vs off?
-     relative error vs float32; 32 greedy tokens on vs off.
+     decode steps (graph replays) for each variant (VARIANTS: all fusions off; rotary + KV
+     write and gate_up + silu; those and the in-kernel split merge): logits bit-equal between
+     variants? relative error vs float32; 32 greedy tokens.
   3. timing: GPU time of the batch-1 greedy decode graph (logits and argmax inside; the
-     graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, fusions on /
-     off alternately, then per-kernel GPU time per step from torch.profiler.
+     graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, the
+     variants alternately (twice), then per-kernel GPU time per step from torch.profiler.
 
-The switches are fused_mlp.ENABLED and the attention backend's fused_rotary_kv; graphs are
-recaptured after each flip.
+The switches are fused_mlp.ENABLED and the attention backend's fused_rotary_kv and
+merge_splits_in_kernel; graphs are recaptured after each flip.
 """
 
 from __future__ import annotations
@@ -170,9 +171,16 @@ def build(cfg, dtype: torch.dtype, src: torch.nn.Module | None = None) -> torch.
     return model.eval()
 
 
-def set_fusions(runner: ModelRunner, on: bool) -> None:
-    fused_mlp.ENABLED = on
-    runner.backend.fused_rotary_kv = on
+# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV, split merge in attention)
+VARIANTS = {"off": (False, False, False), "rope+mlp": (True, True, False),
+            "all": (True, True, True)}
+
+
+def set_fusions(runner: ModelRunner, variant: str) -> None:
+    rope_kv, mlp, merge = VARIANTS[variant]
+    fused_mlp.ENABLED = mlp
+    runner.backend.fused_rotary_kv = rope_kv
+    runner.backend.merge_splits_in_kernel = merge
     if runner.graphs is not None:  # recapture with the new kernels
         runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN)
 
@@ -244,22 +252,22 @@ def model_checks(smoke: bool) -> None:
 
     ref_logits = teacher_forced(ref, prompt, forced)
     logits, tokens = {}, {}
-    for on in (True, False):
-        set_fusions(runner, on)
-        logits[on] = teacher_forced(runner, prompt, forced)
-        tokens[on] = greedy(runner, prompt, GREEDY_TOKENS)
+    for v in VARIANTS:
+        set_fusions(runner, v)
+        logits[v] = teacher_forced(runner, prompt, forced)
+        tokens[v] = greedy(runner, prompt, GREEDY_TOKENS)
     ref_tokens = greedy(ref, prompt, GREEDY_TOKENS)
-    for on in (True, False):
-        agree = (logits[on].argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-        say(f"fusions {'on ' if on else 'off'}: logits rel err vs fp32 "
-            f"prefill {rel(logits[on][:1], ref_logits[:1]):.2e}, decode "
-            f"{rel(logits[on][1:], ref_logits[1:]):.2e}; argmax == fp32 {agree:.0%}; greedy "
-            f"tokens: agreeing prefix with fp32 {agreeing_prefix(tokens[on], ref_tokens)}"
+    for v in VARIANTS:
+        agree = (logits[v].argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+        say(f"fusions {v:8}: logits rel err vs fp32 prefill {rel(logits[v][:1], ref_logits[:1]):.2e}"
+            f", decode {rel(logits[v][1:], ref_logits[1:]):.2e}; argmax == fp32 {agree:.0%}; "
+            f"greedy agreeing prefix with fp32 {agreeing_prefix(tokens[v], ref_tokens)}"
             f"/{GREEDY_TOKENS}")
-    say(f"on vs off: prefill logits bit-exact {torch.equal(logits[True][:1], logits[False][:1])},"
-        f" decode logits bit-exact {torch.equal(logits[True][1:], logits[False][1:])} (max |d| "
-        f"{(logits[True] - logits[False]).abs().max().item():.3g}); greedy tokens equal "
-        f"{tokens[True] == tokens[False]}")
+    for a, b in (("rope+mlp", "off"), ("all", "rope+mlp"), ("all", "off")):
+        say(f"{a} vs {b}: prefill logits bit-exact {torch.equal(logits[a][:1], logits[b][:1])}, "
+            f"decode logits bit-exact {torch.equal(logits[a][1:], logits[b][1:])} (max |d| "
+            f"{(logits[a] - logits[b]).abs().max().item():.3g}); greedy tokens equal "
+            f"{tokens[a] == tokens[b]}")
     del ref, ref_model
     if smoke:
         return
@@ -268,42 +276,41 @@ def model_checks(smoke: bool) -> None:
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                   if "embed_tokens" not in n)
     kv = 2 * 32 * 8 * 128 * 2 * CTX
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for on in (True, False, True, False):
-        set_fusions(runner, on)
-        times[on].append(decode_graph_time(runner, 100))
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(2):
+        for v in VARIANTS:
+            set_fusions(runner, v)
+            times[v].append(decode_graph_time(runner, 100))
     profiles = {}
-    for on in (True, False):
-        set_fusions(runner, on)
+    for v in VARIANTS:
+        set_fusions(runner, v)
         try:
-            profiles[on] = kernel_profile(runner)
+            profiles[v] = kernel_profile(runner)
         except Exception as exc:  # noqa: BLE001  (profiling is a bonus)
             say(f"profiler failed: {exc!r}")
-    set_fusions(runner, True)
+    set_fusions(runner, "all")
     roof = (weights + kv) / 4.8e12
     say(f"\nbatch-1 greedy decode graph at context {CTX} (bytes/step {(weights + kv) / 1e9:.2f}"
         f" GB, 4.8 TB/s datasheet roofline {roof * 1e3:.2f} ms)")
-    say(f"{'fusions':8} {'GPU ms (2 runs)':>18} {'mean':>7} {'roofline %':>10}")
-    for on in (False, True):
-        m = statistics.mean(times[on])
-        say(f"{'on' if on else 'off':8} {times[on][0] * 1e3:8.3f} {times[on][1] * 1e3:8.3f} "
-            f"{m * 1e3:7.3f} {roof / m:10.0%}")
-    d = statistics.mean(times[False]) - statistics.mean(times[True])
-    say(f"saved per step: {d * 1e6:.0f} us ({d / statistics.mean(times[False]):.1%})")
-    if len(profiles) == 2:
-        names = sorted(set(profiles[True]) | set(profiles[False]),
-                       key=lambda k: -max(profiles[True].get(k, (0, 0))[1],
-                                          profiles[False].get(k, (0, 0))[1]))
-        say(f"\nper step, from torch.profiler ({len(names)} kernel names)")
-        say(f"{'kernel':60} {'off n':>6} {'off us':>8} {'on n':>6} {'on us':>8}")
+    say(f"{'fusions':9} {'GPU ms (2 runs)':>17} {'mean':>7} {'roofline':>8} {'kernels':>7}")
+    base = statistics.mean(times["off"])
+    for v in VARIANTS:
+        m = statistics.mean(times[v])
+        n = sum(c for c, _ in profiles[v].values()) if v in profiles else float("nan")
+        say(f"{v:9} {times[v][0] * 1e3:8.3f} {times[v][1] * 1e3:8.3f} {m * 1e3:7.3f} "
+            f"{roof / m:8.0%} {n:7.0f}   saved vs off {(base - m) * 1e6:5.0f} us "
+            f"({(base - m) / base:.1%})")
+    if len(profiles) == len(VARIANTS):
+        names = sorted({k for prof in profiles.values() for k in prof},
+                       key=lambda k: -max(prof.get(k, (0, 0))[1] for prof in profiles.values()))
+        say(f"\nper step, from torch.profiler (launches n, GPU us; {len(names)} kernel names)")
+        say(f"{'kernel':60}" + "".join(f" {v + ' n':>10} {'us':>7}" for v in VARIANTS))
         for k in names:
-            off, on = profiles[False].get(k, (0, 0.0)), profiles[True].get(k, (0, 0.0))
-            say(f"{k:60} {off[0]:6.0f} {off[1]:8.1f} {on[0]:6.0f} {on[1]:8.1f}")
-        for on in (False, True):
-            n = sum(v[0] for v in profiles[on].values())
-            us = sum(v[1] for v in profiles[on].values())
-            say(f"fusions {'on ' if on else 'off'}: {n:.0f} kernels/step, sum of kernel times "
-                f"{us / 1e3:.3f} ms")
+            say(f"{k:60}" + "".join(f" {profiles[v].get(k, (0, 0))[0]:10.0f} "
+                                    f"{profiles[v].get(k, (0, 0))[1]:7.1f}" for v in VARIANTS))
+        for v in VARIANTS:
+            us = sum(t for _, t in profiles[v].values())
+            say(f"{v:9}: sum of kernel times {us / 1e3:.3f} ms per step")
 
 
 def main() -> int:
