@@ -204,26 +204,3 @@ def test_llama_forward_fused_matches_unfused_and_torch(tiny_llama, monkeypatch, 
     # float32 bits, as a 12-row projection need not round like a 4-row one).
     torch.testing.assert_close(padded[2], fused[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(padded[2] != 0, fused[2] != 0)
-
-
-@pytest.mark.parametrize("group,splits", [(4, 3), (2, 5), (1, 2)])
-def test_split_merge_in_kernel_matches_reduce_kernel(group, splits):
-    """Decode and short verify runs over split contexts: the attention kernel's own merge (last
-    split program) gives the separate reduce kernel's bits, twice in a row (the tickets are
-    left at zero for the next launch), and leaves its counters zeroed."""
-    from test_triton_attention import _make_batch, _run
-
-    batch = _make_batch([(40, 1), (25, 3), (70, 2), (0, 1)], 2, 16, 2 * group, torch.float32)
-    plain = _run(TritonAttentionBackend(num_splits=splits, num_sms=4,
-                                        merge_splits_in_kernel=False), *batch)
-    merging = TritonAttentionBackend(num_splits=splits, num_sms=4)
-    for _ in range(2):
-        merged = _run(merging, *batch)
-        for got, want in zip(merged, plain, strict=True):
-            assert torch.equal(got, want)
-    meta = AttentionMetadata(**{**batch[0].__dict__, "backend_state": {}})
-    merging.prepare(meta)
-    merging.forward(batch[3], batch[1], batch[2], meta, 0.25)
-    counters = [t for key, bufs in meta.backend_state["triton"].scratch.items()
-                if key[0] == "counters" for t in bufs]
-    assert counters and all(int(c.abs().sum()) == 0 for c in counters)

@@ -10,15 +10,15 @@ On the device, in one process:
      gate_up_silu tile configs timed against gemv + silu_mul (CUDA graphs of 16 calls).
   2. model: a random Llama-3-8B-config model built with specserve's classes in bf16, and a
      float32 copy of the same weights as reference. A 384-token prompt then 8 teacher-forced
-     decode steps (graph replays) for each variant (VARIANTS: all fusions off; rotary + KV
-     write and gate_up + silu; those and the in-kernel split merge): logits bit-equal between
-     variants? relative error vs float32; 32 greedy tokens.
+     decode steps (graph replays) for each variant (VARIANTS: both fusions off; rotary + KV
+     write only; both on): logits bit-equal between variants? relative error vs float32;
+     32 greedy tokens.
   3. timing: GPU time of the batch-1 greedy decode graph (logits and argmax inside; the
      graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, the
      variants alternately (twice), then per-kernel GPU time per step from torch.profiler.
 
-The switches are fused_mlp.ENABLED and the attention backend's fused_rotary_kv and
-merge_splits_in_kernel; graphs are recaptured after each flip.
+The switches are fused_mlp.ENABLED and the attention backend's fused_rotary_kv; graphs are
+recaptured after each flip.
 """
 
 from __future__ import annotations
@@ -171,16 +171,14 @@ def build(cfg, dtype: torch.dtype, src: torch.nn.Module | None = None) -> torch.
     return model.eval()
 
 
-# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV, split merge in attention)
-VARIANTS = {"off": (False, False, False), "rope+mlp": (True, True, False),
-            "all": (True, True, True)}
+# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV)
+VARIANTS = {"off": (False, False), "rope": (True, False), "on": (True, True)}
 
 
 def set_fusions(runner: ModelRunner, variant: str) -> None:
-    rope_kv, mlp, merge = VARIANTS[variant]
+    rope_kv, mlp = VARIANTS[variant]
     fused_mlp.ENABLED = mlp
     runner.backend.fused_rotary_kv = rope_kv
-    runner.backend.merge_splits_in_kernel = merge
     if runner.graphs is not None:  # recapture with the new kernels
         runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN)
 
@@ -263,7 +261,7 @@ def model_checks(smoke: bool) -> None:
             f", decode {rel(logits[v][1:], ref_logits[1:]):.2e}; argmax == fp32 {agree:.0%}; "
             f"greedy agreeing prefix with fp32 {agreeing_prefix(tokens[v], ref_tokens)}"
             f"/{GREEDY_TOKENS}")
-    for a, b in (("rope+mlp", "off"), ("all", "rope+mlp"), ("all", "off")):
+    for a, b in (("rope", "off"), ("on", "rope"), ("on", "off")):
         say(f"{a} vs {b}: prefill logits bit-exact {torch.equal(logits[a][:1], logits[b][:1])}, "
             f"decode logits bit-exact {torch.equal(logits[a][1:], logits[b][1:])} (max |d| "
             f"{(logits[a] - logits[b]).abs().max().item():.3g}); greedy tokens equal "
@@ -288,7 +286,7 @@ def model_checks(smoke: bool) -> None:
             profiles[v] = kernel_profile(runner)
         except Exception as exc:  # noqa: BLE001  (profiling is a bonus)
             say(f"profiler failed: {exc!r}")
-    set_fusions(runner, "all")
+    set_fusions(runner, "on")
     roof = (weights + kv) / 4.8e12
     say(f"\nbatch-1 greedy decode graph at context {CTX} (bytes/step {(weights + kv) / 1e9:.2f}"
         f" GB, 4.8 TB/s datasheet roofline {roof * 1e3:.2f} ms)")

@@ -40,10 +40,6 @@ MIN_TILE_ROWS = 16  # tl.dot needs M >= 16; decode rows are padded up to it
 # Keys per context split: 128 beat 256 and 512 at batch 1 (H200, Llama-3-8B attention shapes).
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
-# Split contexts of tiles up to this many rows are merged by the attention kernel's last
-# split program instead of reduce_splits_kernel (one launch fewer per layer at decode).
-MAX_MERGE_ROWS = MIN_TILE_ROWS
-MERGE_SPLITS_IN_KERNEL = True
 # rotate_and_write_kv in one kernel (rotary + write_kv fused): one launch fewer per layer.
 FUSED_ROTARY_KV = True
 KV_TILE_BYTES = 32 * 1024  # cap on one K (or V) tile: keeps fp32 / head_dim 256 in shared memory
@@ -91,20 +87,15 @@ class TritonAttentionBackend(AttentionBackend):
                  sdpa_prefill: bool = True,
                  tile_config: dict[int, tuple[int, int, int]] | None = None,
                  min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
-                 fused_rotary_kv: bool | None = None,
-                 merge_splits_in_kernel: bool | None = None) -> None:
+                 fused_rotary_kv: bool | None = None) -> None:
         """num_splits: force the context split count (tests; a CUDA graph fixes it per capture).
         num_sms: programs to aim for = 2 x this (default: the current CUDA device's SM count;
         2x beat 4x and 8x in the H200 sweep).
         sdpa_prefill: send single whole-prompt steps to torch SDPA.
         tile_config, min_keys_per_split: tuning knobs (see TILE_CONFIG).
         fused_rotary_kv: rotate q/k and write K/V in one kernel (default FUSED_ROTARY_KV; a
-        switch for A/B timing and tests, both settings give the same result).
-        merge_splits_in_kernel: merge small tiles' context splits in the attention kernel
-        (default MERGE_SPLITS_IN_KERNEL; the same arithmetic as the separate reduce)."""
+        switch for A/B timing and tests, both settings give the same result)."""
         self.fused_rotary_kv = FUSED_ROTARY_KV if fused_rotary_kv is None else fused_rotary_kv
-        self.merge_splits_in_kernel = (MERGE_SPLITS_IN_KERNEL if merge_splits_in_kernel is None
-                                       else merge_splits_in_kernel)
         self.forced_splits = num_splits
         self.tile_config = {**TILE_CONFIG, **(tile_config or {})}
         self.min_keys_per_split = min_keys_per_split
@@ -157,15 +148,6 @@ class TritonAttentionBackend(AttentionBackend):
                     torch.empty(num_tokens, num_heads, splits, head_dim, **kw))
             plan.scratch[key] = bufs
         return bufs
-
-    def _counters(self, plan: _StepPlan, size: int, device: torch.device) -> torch.Tensor:
-        """int32 [size] zeros: the in-kernel split merge's tickets, shared by the step's layers
-        (each launch leaves them zero again)."""
-        key = ("counters", size)
-        bufs = plan.scratch.get(key)
-        if bufs is None:
-            bufs = plan.scratch[key] = (torch.zeros(size, dtype=torch.int32, device=device),)
-        return bufs[0]
 
     # ---- per layer ---------------------------------------------------------------------------
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
@@ -220,23 +202,18 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
                           device=query.device)  # [T, H, D]
         split = shape.num_splits > 1
-        # Small tiles (decode, short verify runs) merge their splits in the attention kernel.
-        merge = split and self.merge_splits_in_kernel and shape.block_r <= MAX_MERGE_ROWS
         if split:
             part_m, part_l, part_acc = self._partials(plan, num_tokens, num_heads, head_dim,
                                                       shape.num_splits, query.device)
         else:
             part_m = part_l = part_acc = out  # unused by the kernel
-        counters = (self._counters(plan, plan.num_seqs * kv_heads * shape.q_tiles, query.device)
-                    if merge else out)
-        block_s = 16 if shape.num_splits <= 16 else _pow2(MAX_SPLITS)
         block_d = max(16, _pow2(head_dim))
         block_n = min(shape.block_n, max(16, KV_TILE_BYTES // (block_d * k_cache.element_size())))
         # CPU tensors only run under the Triton interpreter, whose bf16 dot is broken.
         interp_bf16 = query.dtype == torch.bfloat16 and query.device.type == "cpu"
         grid = (plan.num_seqs, kv_heads, shape.q_tiles * shape.num_splits)
         kernels.paged_attention_kernel[grid](
-            query, k_cache, v_cache, out, part_m, part_l, part_acc, counters,
+            query, k_cache, v_cache, out, part_m, part_l, part_acc,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale * LOG2E, shape.num_splits, num_heads,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -248,15 +225,16 @@ class TritonAttentionBackend(AttentionBackend):
             PAGE=k_cache.shape[1], SPLIT=split,
             # fp32 callers asked for fp32: keep tf32 out of the dot products.
             PRECISION="ieee" if query.dtype == torch.float32 or interp_bf16 else "tf32",
-            DOT_F32=interp_bf16, MERGE=merge, BLOCK_S=block_s,
+            DOT_F32=interp_bf16,
             num_warps=shape.num_warps, num_stages=shape.num_stages,
         )
-        if split and not merge:
+        if split:
             kernels.reduce_splits_kernel[(num_tokens, num_heads)](
                 part_m, part_l, part_acc, out, shape.num_splits, num_heads,
                 out.stride(0), out.stride(1),
                 # two variants only (each new one is a compile in the middle of serving)
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
+                HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_S=16 if shape.num_splits <= 16 else _pow2(MAX_SPLITS),
                 num_warps=4,
             )
         return out

@@ -117,7 +117,7 @@ def rotary_write_kv_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -127,17 +127,12 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """grid = (num_seqs, kv_heads, num_q_tiles * num_splits).
 
     query [T, H, D] and out [T, H, D] (last dim contiguous); caches [N, PAGE, KvH, D];
     block_tables [S, max_blocks] int32; seq_lens [S]; query_start_loc [S + 1].
     Partials (SPLIT only): m, l [T, H, num_splits] and acc [T, H, num_splits, HEAD_DIM], fp32.
-    MERGE (SPLIT only): the last split program of each (sequence, KV head, tile) to finish
-    merges the tile's partials into out itself (reduce_splits_kernel's arithmetic, BLOCK_S
-    as there), so no second kernel runs; counter [S * KvH * q_tiles] int32 counts finished
-    splits and must be zero at launch (the merging program zeroes it again).
     DOT_F32 upcasts the dot operands to fp32: only for bf16 under the CPU interpreter, whose
     bf16 ``tl.dot`` multiplies the raw uint16 storage (triton 3.9); never set on a GPU.
     """
@@ -216,49 +211,10 @@ def paged_attention_kernel(
             tl.store(part_l_ptr + part, l_i, mask=row_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
-            if MERGE:
-                # Every thread's partial stores come before the ticket (the barrier), and
-                # the ticket releases them at GPU scope: the program that takes the last
-                # ticket sees all of the tile's partials.
-                tl.debug_barrier()
-                ticket = counter_ptr + (seq * tl.num_programs(1) + kvh) * (
-                    tl.num_programs(2) // num_splits) + tile
-                if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    for r in range(BLOCK_M * GROUP):
-                        r_tok = tile_start + r // GROUP
-                        if r_tok < q_len:
-                            _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-                                          (q_start + r_tok).to(tl.int64), kvh * GROUP + r % GROUP,
-                                          num_splits, num_heads, stride_ot, stride_oh,
-                                          HEAD_DIM, BLOCK_D, BLOCK_S)
-                    tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # for the next launch
         else:
             out = acc / l_i[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, t, h, num_splits, num_heads,
-                  stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """Merge row (token t, head h)'s splits' (max, sum, acc) into out[t, h]. Loads skip L1
-    (.cg): in the MERGE path other programs wrote these partials during this launch."""
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    base = (t * num_heads + h) * num_splits
-    m = tl.load(part_m_ptr + base + s, mask=s_ok, other=NEG_BIG, cache_modifier=".cg")  # [S]
-    l_s = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # [S]; empty or padded splits carry l = 0 and acc = 0
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0,
-                  cache_modifier=".cg")  # [S, D]
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)  # [D]
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -268,6 +224,19 @@ def reduce_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """grid = (num_tokens, num_heads): merge the splits' (max, sum, acc) into the output row."""
-    _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, tl.program_id(0).to(tl.int64),
-                  tl.program_id(1), num_splits, num_heads, stride_ot, stride_oh,
-                  HEAD_DIM, BLOCK_D, BLOCK_S)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = (t * num_heads + h) * num_splits
+    m = tl.load(part_m_ptr + base + s, mask=s_ok, other=NEG_BIG)  # [S]
+    l_s = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # [S]; empty or padded splits carry l = 0 and acc = 0
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S, D]
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)  # [D]
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
