@@ -204,3 +204,25 @@ def test_llama_forward_fused_matches_unfused_and_torch(tiny_llama, monkeypatch, 
     # float32 bits, as a 12-row projection need not round like a 4-row one).
     torch.testing.assert_close(padded[2], fused[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(padded[2] != 0, fused[2] != 0)
+
+
+def test_argmax_kernels_match_torch():
+    """Ties (lowest index wins, within and across blocks), NaN (first NaN wins, as torch),
+    infinities, a row of -inf, a partial last block, several rows and a strided view."""
+    from specserve.model.layers import fused_argmax
+
+    gen = torch.Generator().manual_seed(12)
+    cols = 3 * fused_argmax.BLOCK + 77
+    x = torch.randn(7, cols + 5, generator=gen)[:, 2:cols + 2]  # rows of a wider tensor
+    x[1, [5, 900, fused_argmax.BLOCK + 3]] = 50.0  # tie inside a block and across blocks
+    x[2, [fused_argmax.BLOCK + 1, 2 * fused_argmax.BLOCK + 9]] = 60.0  # tie across blocks only
+    x[3, [17, 2 * fused_argmax.BLOCK]] = float("nan")
+    x[3, 3] = float("inf")
+    x[4] = float("-inf")
+    x[5, cols - 1] = 99.0  # the last column of the partial block
+    x[6, [4, 2 * fused_argmax.BLOCK + 4]] = float("inf")
+    want = x.argmax(dim=-1)
+    assert want.tolist()[:4] == [want[0].item(), 5, fused_argmax.BLOCK + 1, 17]
+    assert torch.equal(fused_argmax.argmax(x), want)
+    assert torch.equal(fused_argmax.argmax(x.to(torch.bfloat16)), x.to(torch.bfloat16).argmax(-1))
+    assert torch.equal(fused_argmax.logits_argmax(x), want)  # CPU: torch's own

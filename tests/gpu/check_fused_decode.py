@@ -10,15 +10,15 @@ On the device, in one process:
      gate_up_silu tile configs timed against gemv + silu_mul (CUDA graphs of 16 calls).
   2. model: a random Llama-3-8B-config model built with specserve's classes in bf16, and a
      float32 copy of the same weights as reference. A 384-token prompt then 8 teacher-forced
-     decode steps (graph replays) for each variant (VARIANTS: both fusions off; rotary + KV
-     write only; both on): logits bit-equal between variants? relative error vs float32;
-     32 greedy tokens.
+     decode steps (graph replays) for each variant (VARIANTS: all off; rotary + KV write;
+     and gate_up + silu; and the Triton argmax): logits bit-equal between variants? relative
+     error vs float32; 32 greedy tokens (the argmax graph) equal?
   3. timing: GPU time of the batch-1 greedy decode graph (logits and argmax inside; the
      graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, the
      variants alternately (twice), then per-kernel GPU time per step from torch.profiler.
 
-The switches are fused_mlp.ENABLED and the attention backend's fused_rotary_kv; graphs are
-recaptured after each flip.
+The switches are fused_mlp.ENABLED, fused_argmax.ENABLED and the attention backend's
+fused_rotary_kv; graphs are recaptured after each flip.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from specserve.model.layers import fused_mlp, triton_ops  # noqa: E402
+from specserve.model.layers import fused_argmax, fused_mlp, triton_ops  # noqa: E402
 from specserve.model.layers.attention import triton_backend  # noqa: E402
 from specserve.model.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -144,12 +144,26 @@ def kernel_checks() -> None:
     base = graph_of(lambda: triton_ops.silu_mul(
         triton_ops.gemv(x, w, None, triton_ops.GEMV_CONFIGS[w.shape])), 16)
     t_base = cuda_time(base.replay, 20) / 16
+    argmax_checks(gen)
     say(f"gate_up GEMV + silu_mul: {t_base * 1e6:7.1f} us/call "
         f"({w.numel() * 2 / t_base / 1e12:.2f} TB/s of weight)")
     for cfg in GATE_UP_SWEEP:
         t = cuda_time(graph_of(lambda c=cfg: fused_mlp.gate_up_silu(x, w, c), 16).replay, 20) / 16
         say(f"gate_up_silu {str(cfg):18}: {t * 1e6:7.1f} us/call "
             f"({w.numel() * 2 / t / 1e12:.2f} TB/s)")
+
+
+def argmax_checks(gen: torch.Generator) -> None:
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 128256, device=DEV, generator=gen).to(torch.bfloat16)
+        x[0, [1000, 70000]] = 30.0  # a tie across blocks: the lower index wins
+        same = torch.equal(fused_argmax.argmax(x), x.argmax(-1))
+        x[-1, [9, 50000]] = float("nan")
+        same_nan = torch.equal(fused_argmax.argmax(x), x.argmax(-1))
+        t_torch = cuda_time(graph_of(lambda x=x: x.argmax(-1), 16).replay, 20) / 16
+        t_ours = cuda_time(graph_of(lambda x=x: fused_argmax.argmax(x), 16).replay, 20) / 16
+        say(f"argmax [{rows}, 128256] bf16: == torch {same} (with NaNs {same_nan}); "
+            f"torch {t_torch * 1e6:.1f} us, Triton {t_ours * 1e6:.1f} us per call")
 
 
 # ---- 2. model -----------------------------------------------------------------------------
@@ -171,13 +185,15 @@ def build(cfg, dtype: torch.dtype, src: torch.nn.Module | None = None) -> torch.
     return model.eval()
 
 
-# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV)
-VARIANTS = {"off": (False, False), "rope": (True, False), "on": (True, True)}
+# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV, Triton argmax)
+VARIANTS = {"off": (False, False, False), "rope": (True, False, False),
+            "rope+mlp": (True, True, False), "on": (True, True, True)}
 
 
 def set_fusions(runner: ModelRunner, variant: str) -> None:
-    rope_kv, mlp = VARIANTS[variant]
+    rope_kv, mlp, argmax = VARIANTS[variant]
     fused_mlp.ENABLED = mlp
+    fused_argmax.ENABLED = argmax
     runner.backend.fused_rotary_kv = rope_kv
     if runner.graphs is not None:  # recapture with the new kernels
         runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN)
@@ -261,7 +277,7 @@ def model_checks(smoke: bool) -> None:
             f", decode {rel(logits[v][1:], ref_logits[1:]):.2e}; argmax == fp32 {agree:.0%}; "
             f"greedy agreeing prefix with fp32 {agreeing_prefix(tokens[v], ref_tokens)}"
             f"/{GREEDY_TOKENS}")
-    for a, b in (("rope", "off"), ("on", "rope"), ("on", "off")):
+    for a, b in (("rope", "off"), ("rope+mlp", "rope"), ("on", "rope+mlp"), ("on", "off")):
         say(f"{a} vs {b}: prefill logits bit-exact {torch.equal(logits[a][:1], logits[b][:1])}, "
             f"decode logits bit-exact {torch.equal(logits[a][1:], logits[b][1:])} (max |d| "
             f"{(logits[a] - logits[b]).abs().max().item():.3g}); greedy tokens equal "
