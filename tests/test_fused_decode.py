@@ -4,7 +4,8 @@ test_triton_attention.py for why TRITON_INTERPRET is set here):
 * TritonAttentionBackend.rotate_and_write_kv (rotary + KV-cache write in one kernel) against
   the base class's path (the rotary module's rotate, then write_kv) and the torch backend;
 * fused_mlp.gate_up_silu (silu_mul in the one-row gate_up GEMV) against gemv then silu_mul;
-* a tiny Llama through the Triton backend, fused vs unfused vs the torch backend.
+* a tiny Llama through the Triton backend, fused vs unfused vs the torch backend;
+* fused_argmax (the greedy head's argmax) against torch.argmax, ties and NaN included.
 """
 
 from __future__ import annotations
