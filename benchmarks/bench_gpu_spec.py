@@ -376,12 +376,12 @@ def fused_op_checks(device) -> list[str]:
     ref = w.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
     lines.append(f"fused add_rms_norm bf16: residual bit-exact {torch.equal(res, res_ref)}, "
                  f"norm rel err {((out.double() - ref).norm() / ref.norm()).item():.2e}")
-    from specserve.model.layers.argmax import triton_argmax
+    from specserve.model.layers.fused_argmax import logits_argmax
 
     for rows in (1, 32):
         logits = torch.randn(rows, 128256, device=device, generator=gen).to(torch.bfloat16)
-        same = torch.equal(triton_argmax(logits), logits.argmax(-1))  # bf16: ties are common
-        t_ours = cuda_time(lambda: triton_argmax(logits), 50)  # noqa: B023
+        same = torch.equal(logits_argmax(logits), logits.argmax(-1))  # bf16: ties are common
+        t_ours = cuda_time(lambda: logits_argmax(logits), 50)  # noqa: B023
         t_torch = cuda_time(lambda: logits.argmax(-1), 50)  # noqa: B023
         lines.append(f"two-stage argmax [{rows}, 128256] bf16 == torch: {same}; "
                      f"{1e6 * t_ours:.1f} us vs torch {1e6 * t_torch:.1f} us")

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM, KVGeometry
-from specserve.model.layers import triton_ops
+from specserve.model.layers import fused_mlp, triton_ops
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
@@ -45,16 +45,10 @@ class LlamaAttentionBlock(nn.Module):
         by LlamaModel for all layers); computed here when the layer is called alone."""
         if rope is None:
             rope = self.rotary_emb.table(positions)
-        t = hidden.shape[0]
         qkv = triton_ops.linear(self.qkv_proj, hidden)  # [T, q + 2*kv]
-        # q and k rotate together: one set of ops over H + KvH heads instead of two.
-        qk = self.rotary_emb.rotate(
-            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1),
-            rope)  # [T, H + KvH, D]
-        qk = qk.view(t, -1)  # [T, q + kv]
-        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
-        v = qkv[:, self.q_size + self.kv_size :]  # [T, kv]
-        return triton_ops.linear(self.o_proj, self.attn(q, k, v, meta))
+        # Rotation and the K/V cache write are the backend's (fused into one kernel on CUDA).
+        attn = self.attn.forward_packed(qkv, self.rotary_emb, rope, meta)  # [T, q]
+        return triton_ops.linear(self.o_proj, attn)
 
 
 class LlamaMLP(nn.Module):
@@ -69,6 +63,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported for Llama models (only 'silu').")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = fused_mlp.config_for(self.gate_up_proj, x)
+        if config is not None:  # one CUDA row: silu_mul in the gate_up GEMV (2 kernels, not 3)
+            act = fused_mlp.gate_up_silu(x, self.gate_up_proj.weight, config)  # [1, I]
+            return triton_ops.linear(self.down_proj, act)
         gate_up = triton_ops.linear(self.gate_up_proj, x)  # [T, 2I]
         if triton_ops.available(gate_up):  # one kernel instead of 2
             return triton_ops.linear(self.down_proj, triton_ops.silu_mul(gate_up))

@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specserve.model.layers.argmax import argmax as row_argmax
+from specserve.model.layers import fused_argmax
 from specserve.model.layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ class CudaGraphRunner:
         if not argmax:
             return hidden
         # Raw logits' argmax (ties -> lowest id, as the sampler's): [T] int64
-        return row_argmax(self.model.compute_logits(hidden))
+        return fused_argmax.logits_argmax(self.model.compute_logits(hidden))
 
     def _capture(self, key: GraphKey, argmax: bool = False) -> None:
         """Warm up eagerly on an empty batch (every kernel skips: no KV is touched), capture."""

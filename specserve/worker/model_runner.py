@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.base import CausalLM
-from specserve.model.layers.argmax import argmax as row_argmax
+from specserve.model.layers import fused_argmax
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
 from specserve.worker.cuda_graphs import CudaGraphRunner
 from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -232,7 +232,7 @@ class ModelRunner:
             hidden, logit_rows = self._eager_hidden(runs)
             if logit_rows is not None:
                 hidden = hidden[logit_rows]  # [R, hidden]
-            return row_argmax(self.model.compute_logits(hidden)).tolist()
+            return fused_argmax.logits_argmax(self.model.compute_logits(hidden)).tolist()
         tokens = self.graphs.run(key, runs, argmax=True).tolist()  # [T] real tokens
         base, rows = 0, []
         for run in runs:

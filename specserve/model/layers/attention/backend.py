@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.model.layers.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable
 
 
 class AttentionBackend(ABC):
@@ -26,6 +30,30 @@ class AttentionBackend(ABC):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
+
+    def rotate_and_write_kv(self, qkv: torch.Tensor, rotary: RotaryEmbedding, rope: RotaryTable,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [num_tokens, (H + 2 * kv_heads) * head_dim], a packed projection (q heads, then
+        k heads, then v heads, not yet rotated) -> the rotated queries [num_tokens, H, head_dim];
+        the rotated keys and the values are stored at their slots on the way.
+
+        Why a backend method: the backend owns the cache write, so it may fuse the rotation into
+        it (TritonAttentionBackend: one kernel instead of two per layer). This default is the
+        unfused reference every backend gets: the rotary module's own rotate() over q and k
+        together, then write_kv."""
+        num_tokens = qkv.shape[0]
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        kv_size = kv_heads * head_dim
+        q_size = qkv.shape[1] - 2 * kv_size
+        num_heads = q_size // head_dim
+        assert num_heads * head_dim == q_size, "qkv width is not (H + 2 * kv_heads) * head_dim"
+        # q and k rotate together: one set of ops over H + KvH heads instead of two.
+        qk = rotary.rotate(qkv[:, : q_size + kv_size].view(num_tokens, num_heads + kv_heads,
+                                                           head_dim), rope)  # [T, H + KvH, D]
+        value = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)  # [T, KvH, D]
+        self.write_kv(qk[:, num_heads:], value, k_cache, v_cache, meta)
+        return qk[:, :num_heads]  # [T, H, D]
 
     @abstractmethod
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

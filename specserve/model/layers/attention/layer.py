@@ -7,6 +7,7 @@ from torch import nn
 
 from specserve.model.layers.attention.backend import AttentionBackend
 from specserve.model.layers.attention.metadata import AttentionMetadata
+from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable
 
 
 class Attention(nn.Module):
@@ -34,5 +35,18 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def forward_packed(self, qkv: torch.Tensor, rotary: RotaryEmbedding, rope: RotaryTable,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2*KvH) * D], the un-rotated packed projection -> [T, H*D].
+
+        For rotary models: the backend rotates q and k and writes K/V in one go (see
+        AttentionBackend.rotate_and_write_kv), which a fused backend does in one kernel."""
+        assert self.backend is not None, "KV cache not bound: call ModelRunner.bind_kv_cache first"
+        num_tokens = qkv.shape[0]
+        q = self.backend.rotate_and_write_kv(qkv, rotary, rope, self.k_cache, self.v_cache,
+                                             meta)  # [T, H, D]
         out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,6 +1,8 @@
 """Paged attention through Triton kernels (the CUDA backend; CPU only under TRITON_INTERPRET=1).
 
-* ``write_kv``: one Triton program per token stores its K/V heads at its slot.
+* ``write_kv``: one Triton program per token stores its K/V heads at its slot;
+  ``rotate_and_write_kv`` does the same for a packed q/k/v projection and rotates q and k on the
+  way (one kernel where the model would otherwise launch the rotary kernel and then this one).
 * ``forward``: one kernel launch serves every sequence's query run, whatever its length (decode,
   ``k + 1`` verification tokens, prefill chunks over a cached prefix): see triton_kernels.py for
   the tile layout (query tokens x GQA group as rows, so each K/V block is read once per tile).
@@ -38,6 +40,8 @@ MIN_TILE_ROWS = 16  # tl.dot needs M >= 16; decode rows are padded up to it
 # Keys per context split: 128 beat 256 and 512 at batch 1 (H200, Llama-3-8B attention shapes).
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
+# rotate_and_write_kv in one kernel (rotary + write_kv fused): one launch fewer per layer.
+FUSED_ROTARY_KV = True
 KV_TILE_BYTES = 32 * 1024  # cap on one K (or V) tile: keeps fp32 / head_dim 256 in shared memory
 # Query rows per program -> (keys per inner iteration, num_warps, num_stages), the fastest of 8
 # configs on an H200 (triton 3.6, bf16, head_dim 128, group 4; tests/gpu/check_triton_attention.py
@@ -82,12 +86,16 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_splits: int | None = None, num_sms: int | None = None,
                  sdpa_prefill: bool = True,
                  tile_config: dict[int, tuple[int, int, int]] | None = None,
-                 min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> None:
+                 min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+                 fused_rotary_kv: bool | None = None) -> None:
         """num_splits: force the context split count (tests; a CUDA graph fixes it per capture).
         num_sms: programs to aim for = 2 x this (default: the current CUDA device's SM count;
         2x beat 4x and 8x in the H200 sweep).
         sdpa_prefill: send single whole-prompt steps to torch SDPA.
-        tile_config, min_keys_per_split: tuning knobs (see TILE_CONFIG)."""
+        tile_config, min_keys_per_split: tuning knobs (see TILE_CONFIG).
+        fused_rotary_kv: rotate q/k and write K/V in one kernel (default FUSED_ROTARY_KV; a
+        switch for A/B timing and tests, both settings give the same result)."""
+        self.fused_rotary_kv = FUSED_ROTARY_KV if fused_rotary_kv is None else fused_rotary_kv
         self.forced_splits = num_splits
         self.tile_config = {**TILE_CONFIG, **(tile_config or {})}
         self.min_keys_per_split = min_keys_per_split
@@ -156,6 +164,32 @@ class TritonAttentionBackend(AttentionBackend):
             PAGE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
             BLOCK_H=_pow2(kv_heads), BLOCK_D=_pow2(head_dim),
         )
+
+    def rotate_and_write_kv(self, qkv, rotary, rope, k_cache, v_cache, meta) -> torch.Tensor:
+        """One kernel instead of rotary + write_kv (the base class's path, kept for partial
+        rotary dims and when fused_rotary_kv is off): same values in q and the caches."""
+        num_tokens = qkv.shape[0]
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+        if (not self.fused_rotary_kv or rotary.rotary_dim != head_dim or qkv.stride(-1) != 1
+                or head_dim % 2):
+            return super().rotate_and_write_kv(qkv, rotary, rope, k_cache, v_cache, meta)
+        half = head_dim // 2
+        q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype,
+                        device=qkv.device)  # [T, H, D]
+        if num_tokens == 0:
+            return q
+        cos = rope.cos.reshape(num_tokens, half)  # [T, D/2] float32
+        sin = rope.sin.reshape(num_tokens, 2 * half)  # [T, 2 * D/2]: (-sin, +sin)
+        kernels.rotary_write_kv_kernel[(num_tokens, num_heads + 2 * kv_heads)](
+            qkv, cos, sin, q, k_cache, v_cache, meta.slot_mapping,
+            qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_D=_pow2(half),
+            PAGE=k_cache.shape[1], num_warps=1,
+        )
+        return q
 
     def forward(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         plan: _StepPlan = meta.backend_state["triton"]

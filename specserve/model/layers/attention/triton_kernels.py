@@ -1,4 +1,5 @@
-"""Triton kernels for paged attention: the KV-cache write, the attention kernel, the split reduce.
+"""Triton kernels for paged attention: the KV-cache write (plain, or fused with the rotary
+embedding), the attention kernel, the split reduce.
 
 The attention kernel serves decode, speculative verification and prefill chunks with ONE code
 path. A program owns (sequence, KV head, query tile[, context split]) and holds, as the rows of
@@ -58,6 +59,56 @@ def write_kv_kernel(
                  + d[None, :], k, mask=mask)
         tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch
                  + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def rotary_write_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_t, stride_qt, stride_qh, stride_ct, stride_st,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+):
+    """grid = (num_tokens, H + 2 * KvH): one program per head of a packed projection row.
+
+    qkv [T, (H + 2 * KvH) * 2 * HALF]: q heads, then k heads, then v heads ("rotate half"
+    layout); cos [T, HALF] and sin [T, 2, HALF] = (-sin, +sin) in float32 (RotaryTable).
+    q heads are rotated into q_out [T, H, 2 * HALF]; k heads are rotated and v heads copied
+    into the caches at cache[slot // PAGE, slot % PAGE]. The rotation is the rotary kernel's
+    (float32, rounded to qkv's dtype), so the cache holds what rotary + write_kv stored.
+    A negative slot (padded token) writes no K/V; its q row is still written."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    src = qkv_ptr + t * stride_t + head * (2 * HALF) + d
+    if head < NUM_HEADS + KV_HEADS:  # q or k: rotate
+        x1 = tl.load(src, mask=d_ok, other=0.0).to(tl.float32)  # [HALF]
+        x2 = tl.load(src + HALF, mask=d_ok, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0)
+        s_lo = tl.load(sin_ptr + t * stride_st + d, mask=d_ok, other=0.0)  # -sin
+        s_hi = tl.load(sin_ptr + t * stride_st + HALF + d, mask=d_ok, other=0.0)  # +sin
+        o1 = (x1 * c + x2 * s_lo).to(qkv_ptr.dtype.element_ty)
+        o2 = (x2 * c + x1 * s_hi).to(qkv_ptr.dtype.element_ty)
+        if head < NUM_HEADS:
+            dst = q_out_ptr + t * stride_qt + head * stride_qh + d
+            tl.store(dst, o1, mask=d_ok)
+            tl.store(dst + HALF, o2, mask=d_ok)
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                dst = (k_cache_ptr + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kcs
+                       + (head - NUM_HEADS) * stride_kch + d)
+                tl.store(dst, o1, mask=d_ok)
+                tl.store(dst + HALF, o2, mask=d_ok)
+    else:  # v: copy
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = (v_cache_ptr + (slot // PAGE) * stride_vcb + (slot % PAGE) * stride_vcs
+                   + (head - NUM_HEADS - KV_HEADS) * stride_vch + d)
+            tl.store(dst, tl.load(src, mask=d_ok), mask=d_ok)
+            tl.store(dst + HALF, tl.load(src + HALF, mask=d_ok), mask=d_ok)
 
 
 # Integer arguments that change from step to step are not specialized on (Triton would
