@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="triton was imported before the interpreter was chosen")
 
-from specserve.model.layers import triton_ops  # noqa: E402
+from specserve.model.layers import gemv, triton_ops  # noqa: E402
 from specserve.model.layers.norm import RMSNorm  # noqa: E402
 from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -95,3 +95,68 @@ def test_linear_dispatches_only_one_cuda_half_row():
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(1, 8)
     assert torch.equal(triton_ops.linear(layer, x), layer(x))
+
+
+@pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
+                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True)])
+def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
+    """Multi-row GEMV (layers/gemv.py), both variants, M = 1..16 (each row bucket, and M not a
+    power of two: padded rows must be neither read nor written), even and uneven N and K."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(rows, cols, generator=gen)  # [N, K]
+    b = torch.randn(rows, generator=gen) if bias else None
+    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1)
+    for num_m in range(1, gemv.MAX_ROWS + 1):
+        x = torch.randn(num_m, 2 * cols, generator=gen)[:, :cols]  # [M, K], strided rows
+        ref = x.double() @ weight.double().T + (b.double() if bias else 0)  # [M, N]
+        out = gemv.gemv_rows(x, weight, b, config)
+        assert out.shape == (num_m, rows) and out.dtype == x.dtype
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["fma", "dot"])
+def test_gemv_rows_half_precision(variant):
+    """fp16 in and out (the interpreter's bf16 dot is wrong, see triton_kernels.py), float32
+    sums: within fp16 rounding of the float64 product."""
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.randn(40, 96, generator=gen) * 0.1).half()
+    x = torch.randn(9, 96, generator=gen).half()
+    out = gemv.gemv_rows(x, weight, None, gemv.RowsConfig(variant, 16, 32, 4, 1))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, atol=2e-3,
+                               rtol=2e-3)
+
+
+def test_linear_dispatch(monkeypatch):
+    """With the kernels allowed (as on CUDA), ``linear`` sends 2..MAX_ROWS half rows of a
+    configured shape and bucket to gemv_rows, one row to the one-row gemv, and everything else
+    (unconfigured shape or bucket, more rows, float32, a 3-d input) to the module."""
+    gen = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(64, 48, bias=True).half()
+    calls: list[str] = []
+    real_rows, real_one = gemv.gemv_rows, triton_ops.gemv
+    monkeypatch.setattr(triton_ops, "available", lambda x: True)
+    monkeypatch.setattr(gemv, "gemv_rows",
+                        lambda *a: calls.append("rows") or real_rows(*a))
+    monkeypatch.setattr(triton_ops, "gemv", lambda *a: calls.append("one") or real_one(*a))
+    monkeypatch.setitem(triton_ops.GEMV_CONFIGS, (48, 64), (16, 32, 4, 1))
+    for bucket in (2, 4, 8):  # no bucket-16 config: 9..16 rows keep the module
+        monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, bucket),
+                            gemv.RowsConfig("dot", 16, 32, 4, 1))
+
+    def route(x: torch.Tensor, module: torch.nn.Linear = layer) -> str | None:
+        calls.clear()
+        out = triton_ops.linear(module, x)
+        ref = torch.nn.functional.linear(x.float(), module.weight.float(), module.bias.float())
+        torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=3e-3)
+        return calls[0] if calls else None
+
+    half = torch.randn(17, 64, generator=gen).half()
+    assert route(half[:1]) == "one"
+    assert [route(half[:m]) for m in range(2, 9)] == ["rows"] * 7
+    assert [route(half[:m]) for m in (9, 16, 17)] == [None] * 3
+    assert route(half[:3].float(), torch.nn.Linear(64, 48)) is None
+    assert route(half[:4].view(2, 2, 64)) is None
+    monkeypatch.delitem(gemv.ROWS_CONFIGS, (48, 64, 4))
+    assert route(half[:3]) is None and route(half[:2]) == "rows"

@@ -19,6 +19,8 @@ import importlib.util
 
 import torch
 
+from specserve.model.layers import gemv as multirow
+
 MAX_FUSED_HIDDEN = 16384  # one program holds a whole row in registers up to this width
 
 
@@ -248,17 +250,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); one bf16/fp16 row on CUDA (batch-1 decode) goes through the Triton GEMV when
-    GEMV_CONFIGS lists the layer's shape.
+    """layer(x); 1..MAX_ROWS bf16/fp16 rows on CUDA (batch-1 decode and verification) go
+    through a Triton GEMV when the layer's shape has a config: one row through ``gemv``
+    (GEMV_CONFIGS), 2..16 rows through layers/gemv.py's ``gemv_rows`` (its ROWS_CONFIGS, per
+    row bucket).
 
-    Why: at one row a projection only streams its weight, and cuBLAS's kernels for these
+    Why: at a few rows a projection only streams its weight, and cuBLAS's kernels for these
     shapes leave bandwidth unused (on an H200 the batch-1 Llama-3-8B decode graph went from
-    4.64 to 4.29 ms with this). Sums run in another order than cuBLAS's, so logits can differ
-    from a multi-row product of the same rows in the last bf16 bit."""
-    if (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and available(x)
+    4.64 to 4.29 ms with the one-row kernel; the multi-row one keeps a k+1-row verification
+    step near that cost). Sums run in another order than cuBLAS's, so logits can differ from
+    a product of a different row count in the last bf16 bit."""
+    num_rows = x.shape[0]
+    if (x.dim() == 2 and 1 <= num_rows <= multirow.MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and available(x)
             and type(layer).forward is torch.nn.Linear.forward and x.stride(-1) == 1
             and layer.weight.dtype == x.dtype and layer.weight.stride(-1) == 1):
-        config = GEMV_CONFIGS.get(tuple(layer.weight.shape))
-        if config is not None:
-            return gemv(x, layer.weight, layer.bias, config)
+        shape = tuple(layer.weight.shape)
+        if num_rows == 1:
+            config = GEMV_CONFIGS.get(shape)
+            if config is not None:
+                return gemv(x, layer.weight, layer.bias, config)
+        else:
+            rows_config = multirow.ROWS_CONFIGS.get((*shape, multirow.row_bucket(num_rows)))
+            if rows_config is not None:
+                return multirow.gemv_rows(x, layer.weight, layer.bias, rows_config)
     return layer(x)

@@ -1,0 +1,171 @@
+"""Multi-row matrix-vector product: out [M, N] = x [M, K] @ weight [N, K].T for 2 <= M <= 16.
+
+Why: a batch-1 verification step runs every projection on k+1 = 2..9 rows. At that size the
+product is bound by streaming the weight once, exactly as a one-row decode step is, but cuBLAS
+picks kernels for these shapes that leave bandwidth unused, so a verify step cost ~10% more than
+a decode step on an H200. These kernels read each weight element once for all M rows, so a
+verify step costs about what a decode step does: on an H200 (tests/gpu/sweep_gemv.py,
+2026-12-03) Llama-3-8B's 32 layers of projections plus the lm_head took 3.96-4.00 ms at 2..9
+rows, against 3.86 ms for the one-row kernel at 1 row and 4.12-4.31 ms through cuBLAS.
+
+Two variants (chosen per shape and row bucket by a sweep on the H200,
+tests/gpu/sweep_gemv.py):
+- "fma": the one-row kernel (triton_ops.gemv) with a row dimension: a float32 accumulator
+  [BLOCK_M, BLOCK_N, BLOCK_K] of plain FMAs, summed over K once at the end. Many small programs
+  (BLOCK_N = 2..8 weight rows each), but BLOCK_M FMAs per weight element, so it runs out of
+  arithmetic as M grows.
+- "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
+  zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
+  stream counts.
+
+Both accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
+count and shapes are host ints only, so the launch is CUDA-graph safe. The CPU path never comes
+here except under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
+MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
+
+
+class RowsConfig(NamedTuple):
+    """Launch parameters of one (shape, row bucket)."""
+    variant: str  # "fma" or "dot"
+    block_n: int  # weight rows (output columns) per program
+    block_k: int  # reduction chunk per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+# Per (N, K, row bucket): the fastest config of tests/gpu/sweep_gemv.py on an H200 (2026-12-03;
+# the "dot" variant everywhere except 2-row 2048-row shapes), listed where it beat cuBLAS
+# (torch.nn.functional.linear) by >= 1% at every M of the bucket in both sweeps, plus the 8B
+# gate_up whose kernel ties cuBLAS's best (within 1%) and avoids the 8% slower kernel cuBLAS
+# picks at some M. Other shapes and buckets (the 1B down at 3+ rows: cuBLAS 1-3% faster) keep
+# cuBLAS. Llama-3-8B: qkv, o, gate_up, down, lm_head; Llama-3.2-1B: the same at hidden 2048.
+ROWS_CONFIGS: dict[tuple[int, int, int], RowsConfig] = {
+    (6144, 4096, 2): RowsConfig("dot", 64, 128, 4, 7),
+    (6144, 4096, 4): RowsConfig("dot", 64, 128, 4, 7),
+    (6144, 4096, 8): RowsConfig("dot", 64, 128, 4, 7),
+    (6144, 4096, 16): RowsConfig("dot", 64, 128, 4, 7),
+    (4096, 4096, 2): RowsConfig("dot", 32, 256, 4, 6),
+    (4096, 4096, 4): RowsConfig("dot", 32, 256, 4, 6),
+    (4096, 4096, 8): RowsConfig("dot", 64, 128, 4, 7),
+    (4096, 4096, 16): RowsConfig("dot", 64, 128, 4, 7),
+    (28672, 4096, 2): RowsConfig("dot", 64, 128, 4, 5),
+    (28672, 4096, 4): RowsConfig("dot", 64, 128, 4, 5),
+    (28672, 4096, 8): RowsConfig("dot", 128, 128, 4, 4),
+    (28672, 4096, 16): RowsConfig("dot", 128, 128, 4, 4),
+    (4096, 14336, 2): RowsConfig("dot", 32, 256, 4, 6),
+    (4096, 14336, 4): RowsConfig("dot", 32, 256, 4, 6),
+    (4096, 14336, 8): RowsConfig("dot", 32, 256, 4, 6),
+    (4096, 14336, 16): RowsConfig("dot", 32, 256, 4, 6),
+    (128256, 4096, 2): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 4): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 8): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 16): RowsConfig("dot", 128, 128, 4, 4),
+    (3072, 2048, 2): RowsConfig("dot", 32, 256, 4, 6),
+    (3072, 2048, 4): RowsConfig("dot", 32, 256, 4, 6),
+    (3072, 2048, 8): RowsConfig("dot", 32, 256, 4, 6),
+    (3072, 2048, 16): RowsConfig("dot", 32, 256, 4, 6),
+    (2048, 2048, 2): RowsConfig("fma", 2, 1024, 4, 4),
+    (2048, 2048, 4): RowsConfig("dot", 32, 256, 4, 4),
+    (2048, 2048, 8): RowsConfig("dot", 32, 256, 4, 4),
+    (2048, 2048, 16): RowsConfig("dot", 32, 256, 4, 4),
+    (16384, 2048, 2): RowsConfig("dot", 128, 128, 4, 4),
+    (16384, 2048, 4): RowsConfig("dot", 64, 128, 4, 5),
+    (16384, 2048, 8): RowsConfig("dot", 128, 128, 4, 4),
+    (16384, 2048, 16): RowsConfig("dot", 128, 128, 4, 4),
+    (2048, 8192, 2): RowsConfig("fma", 2, 1024, 4, 3),
+    (128256, 2048, 2): RowsConfig("dot", 64, 128, 4, 5),
+    (128256, 2048, 4): RowsConfig("dot", 32, 256, 4, 4),
+    (128256, 2048, 8): RowsConfig("dot", 64, 128, 4, 5),
+    (128256, 2048, 16): RowsConfig("dot", 128, 128, 8, 5),
+}
+
+
+def row_bucket(num_rows: int) -> int:
+    """The power of two >= num_rows: the BLOCK_M that rows compile for (so one compiled kernel
+    serves e.g. M = 5..8, and configs are keyed by it)."""
+    return 1 << max(0, num_rows - 1).bit_length()
+
+
+@functools.cache
+def _kernel():
+    """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_m"])  # one compile serves every M of a bucket
+    def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x, stride_w,
+                   stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, USE_DOT: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
+        and all n_m <= BLOCK_M rows m. EVEN: n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0
+        (no weight masks)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows [BLOCK_N]
+        row_mask = rows < n_rows
+        m = tl.arange(0, BLOCK_M)
+        m_mask = m < n_m
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+        x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, n_cols, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+                w = tl.load(w_rows + cols[None, :])
+            else:
+                col_mask = cols < n_cols
+                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & col_mask[None, :],
+                            other=0.0)  # [BLOCK_M, BLOCK_K]
+                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                            other=0.0)  # [BLOCK_N, BLOCK_K]
+            if USE_DOT:
+                acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PRECISION)
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if USE_DOT:
+            out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        else:
+            out = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+
+    return _gemv_rows
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              config: RowsConfig) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, float32 accumulation,
+    for 1 <= M <= MAX_ROWS; the weight is read once for all M rows."""
+    (num_m, n_cols), n_rows = x.shape, weight.shape[0]
+    assert 1 <= num_m <= MAX_ROWS and config.variant in ("fma", "dot")
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == n_cols
+    use_dot = config.variant == "dot"
+    block_m = row_bucket(num_m)
+    if use_dot:
+        block_m = max(block_m, MIN_DOT_ROWS)
+    out = torch.empty(num_m, n_rows, dtype=x.dtype, device=x.device)  # [M, N]
+    even = n_rows % config.block_n == 0 and n_cols % config.block_k == 0
+    grid = ((n_rows + config.block_n - 1) // config.block_n,)
+    _kernel()[grid](
+        x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=even,
+        USE_DOT=use_dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
