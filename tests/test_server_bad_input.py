@@ -65,6 +65,8 @@ CASES = [
     ("prompt-empty-string", CMPL, cmpl(prompt=""), None, 400, None),
     ("token-out-of-vocab", CMPL, cmpl(prompt=[5, 999999]), None, 400, None),
     ("token-negative", CMPL, cmpl(prompt=[-1, 5]), None, 400, None),
+    # echo decodes the prompt before the engine validates it: a huge id was a 500
+    ("token-huge-with-echo", CMPL, cmpl(prompt=[[5, 2**80]], echo=True), None, 400, "prompt"),
     ("max-tokens-negative", CMPL, cmpl(max_tokens=-5), None, 400, "max_tokens"),
     ("max-tokens-zero", CMPL, cmpl(max_tokens=0), None, 400, "max_tokens"),
     ("max-tokens-string", CMPL, cmpl(max_tokens="ten"), None, 400, "max_tokens"),

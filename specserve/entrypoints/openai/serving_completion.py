@@ -77,6 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids, texts = [], []
         for prompt in prompts:
             ids = await self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+            self.check_token_ids(ids)
             self.check_context(len(ids), params.max_tokens)
             token_ids.append(ids)
             texts.append(prompt if isinstance(prompt, str) else None)

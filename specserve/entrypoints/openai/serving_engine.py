@@ -107,6 +107,16 @@ class OpenAIServing:
         return out
 
     # ---- prompts ----------------------------------------------------------------------------
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
+        """Token-id prompts must lie in the vocabulary (400), checked before anything reads
+        them: echo decodes the prompt before the engine sees it, and a huge id there was an
+        OverflowError (500)."""
+        vocab = self.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {vocab}).", param=param)
+
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None,
                       param: str = "prompt") -> None:
         """vLLM's rule: prompt + max_tokens must fit the context (400 saying the lengths)."""
