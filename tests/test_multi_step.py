@@ -125,3 +125,34 @@ def test_window_slots_take_no_token_budget(tiny_llama, test_prompts, monkeypatch
     llm = tiny_llm(tiny_llama, max_num_batched_tokens=64, num_scheduler_steps=8)
     assert _summary(llm.generate(prompts, params, use_tqdm=False)) == want
     assert batches and batches[0] == len(prompts)  # 12 x 8 slots > 64 tokens of budget
+
+
+def test_greedy_draft_proposes_in_one_window(tiny_llama, tiny_llama_draft, test_prompts,
+                                             monkeypatch):
+    """A plain greedy batch with a fixed k drafts proposals 2..k in one multi-step window:
+    the proposals (and so the output) are those of k single draft steps."""
+    prompts = test_prompts[:4]
+    kwargs = dict(speculative_model=str(tiny_llama_draft), num_speculative_tokens=4,
+                  speculative_adaptive=False)
+    want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
+    stepwise = tiny_llm(tiny_llama, **kwargs)
+    stepwise.llm_engine.speculation.proposer.multi_step = False
+    proposed: list[list[list[int]]] = []
+
+    def record(llm):
+        proposer = llm.llm_engine.speculation.proposer
+        propose = proposer.propose
+        log: list[list[int]] = []
+        monkeypatch.setattr(proposer, "propose", lambda seqs, ks: (
+            out := propose(seqs, ks), log.extend(out.token_ids))[0])
+        proposed.append(log)
+
+    record(stepwise)
+    assert _summary(stepwise.generate(prompts, GREEDY, use_tqdm=False)) == want
+    sizes = _windows(monkeypatch)
+    windowed = tiny_llm(tiny_llama, **kwargs)
+    record(windowed)
+    assert _summary(windowed.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert proposed[0] == proposed[1]  # the very same proposals, step by step
+    # proposals 2..4 of every drafting step (fewer where max_tokens caps k near the end)
+    assert sizes and max(sizes) == 3 and min(sizes) >= 2

@@ -79,3 +79,14 @@ class ReplayProposer(DraftModelProposer):
             "the replay proposer only models greedy requests"
         probs, _ = super()._step_tokens(seqs, drafted, runs, greedy)  # the real draft cost
         return probs, [self._replay(s, len(d)) for s, d in zip(seqs, drafted, strict=True)]
+
+    def _propose_window(self, seqs: list[Seq], active: list[int],
+                        proposals: list[list[int]], num_steps: int) -> None:
+        """The real window (its cost), then proposals 2..k replaced by replayed tokens. The
+        draft's own argmax tokens were fed inside the window, so its KV holds those rather than
+        the replayed ones: only the draft's later predictions differ, and they are replaced."""
+        super()._propose_window(seqs, active, proposals, num_steps)
+        for i in active:
+            del proposals[i][1:]
+            for j in range(1, num_steps + 1):
+                proposals[i].append(self._replay(seqs[i], j))

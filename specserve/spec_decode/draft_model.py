@@ -7,7 +7,8 @@ target's token list but has its own block table and computed-token count. Each s
 1. one draft forward per sequence feeds every token the draft has not seen yet (the whole prompt
    for a new sequence; after a step the last accepted proposal and the bonus/recovered token),
    and samples proposal 1 from the draft's processed distribution;
-2. k - 1 more single-token forwards, batched across sequences, sample proposals 2..k.
+2. k - 1 more single-token forwards, batched across sequences, sample proposals 2..k (for
+   plain greedy batches one multi-step window: the tokens are fed back on the device).
 
 After verification the shadow is rolled back to the accepted length; when all k were accepted
 the catch-up in the next step's first forward covers the bonus token, so no extra pass is run.
@@ -40,6 +41,10 @@ class DraftModelProposer(Proposer):
         self.default_generator = default_generator
         self.blocked_token_ids = blocked_token_ids  # (seq, num_extra_outputs) -> list[int]
         self.shadows: dict[int, Sequence] = {}
+        # Greedy proposals 2..k as one multi-step window (ModelRunner.execute_argmax_steps):
+        # on CUDA graphs each proposal feeds the next forward on the device and the k - 1
+        # tokens are read back once, instead of one host round trip per proposal.
+        self.multi_step = True
 
     # ---- shadow sequences ------------------------------------------------------------------
     def _shadow(self, seq: Sequence) -> Sequence:
@@ -109,7 +114,26 @@ class DraftModelProposer(Proposer):
                     probs[i, step] = step_probs[row]
                 shadow = self.shadows[seqs[i].seq_id]
                 shadow.num_computed_tokens = seqs[i].num_tokens + step
+            if step == 0 and step_probs is None and self._window_fits(ks, k_max):
+                self._propose_window(seqs, active, proposals, k_max - 1)
+                break
         return DraftProposals(proposals, probs, catch_up)
+
+    def _window_fits(self, ks: list[int], k_max: int) -> bool:
+        """Proposals 2..k can run as one window: the first step took the argmax path (every
+        row plain greedy, nothing blocked; blocking only lifts as tokens are added, so no later
+        step is blocked either), at least two more proposals are wanted, and every proposing
+        sequence wants the same k (each has KV slots reserved for exactly its own k)."""
+        return self.multi_step and k_max >= 3 and all(k in (0, k_max) for k in ks)
+
+    def _propose_window(self, seqs: list[Sequence], active: list[int],
+                        proposals: list[list[int]], num_steps: int) -> None:
+        runs = [SequenceRun([proposals[i][-1]], seqs[i].num_tokens,
+                            self.shadows[seqs[i].seq_id].block_table, [0]) for i in active]
+        window = self.runner.execute_argmax_steps(runs, num_steps)  # [A][num_steps]
+        for i, tokens in zip(active, window, strict=True):
+            proposals[i].extend(tokens)
+            self.shadows[seqs[i].seq_id].num_computed_tokens = seqs[i].num_tokens + num_steps
 
     def _step_tokens(self, seqs: list[Sequence], drafted: list[list[int]],
                      runs: list[SequenceRun], greedy: bool):
