@@ -722,6 +722,46 @@ def main() -> int:
                 "g_draft": g_draft}
         rows = []
 
+        breakdown: list[tuple[str, dict]] = []  # (run label, category -> step seconds)
+        step_shape: dict[str, int] = {}  # this step's proposals and draft catch-up tokens
+        propose, replay_propose = driver.propose, replay.propose
+
+        def propose_logged(scheduled, sampled):
+            out = propose(scheduled, sampled)
+            step_shape["proposals"] = sum(len(p) for p in out[0])
+            return out
+
+        def replay_logged(seqs, ks):
+            out = replay_propose(seqs, ks)
+            step_shape["catch_up"] = step_shape.get("catch_up", 0) + out.num_catch_up_tokens
+            return out
+
+        driver.propose, replay.propose = propose_logged, replay_logged
+
+        def timed_engine_steps(label: str):
+            """Wrap engine.step: every step's wall time, by kind (plain / speculating /
+            speculating with a draft catch-up over more than CATCH_UP_MEASURED tokens per
+            proposing sequence); returns the restore function."""
+            cats: dict[str, list[float]] = {}
+            breakdown.append((label, cats))
+            step = engine.step
+
+            def timed():
+                step_shape.clear()
+                t0 = time.perf_counter()
+                out = step()
+                sync()
+                dt = time.perf_counter() - t0
+                props, catch = step_shape.get("proposals", 0), step_shape.get("catch_up", 0)
+                kind = ("plain" if props == 0 else
+                        "spec+catch-up" if catch > 4 * max(props // K_SPEC, 1) else "spec")
+                cats.setdefault(kind, []).append(dt)
+                cats.setdefault(f"{kind} proposals", []).append(props)
+                return out
+
+            engine.step = timed
+            return lambda: setattr(engine, "step", step)
+
         def spec_run(ps, new, acceptance, adaptive_on):
             """(tok/s, outputs, measured a, (share of decode steps that speculated, engine
             steps over STALL_SECONDS: one-time compiles))"""
@@ -733,7 +773,12 @@ def main() -> int:
             step_seconds: list[float] = []
             observe_step = driver.observe_step
             driver.observe_step = lambda t: (step_seconds.append(t), observe_step(t))
-            rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
+            restore = timed_engine_steps(
+                f"b{len(ps)} a={acceptance}{' adaptive' if adaptive_on else ''}")
+            try:
+                rate, outs, steps = run_engine(llm, ps, new, f"spec{acceptance}")
+            finally:
+                restore()
             driver.observe_step = observe_step
             slow = [t for t in step_seconds if t > STALL_SECONDS]
             for name, signature in COMPILED[compiled_before:]:
@@ -762,9 +807,11 @@ def main() -> int:
             the batch-32 baseline measured right beside each speculative run, so that drift
             between sections does not pass for a speedup or a loss."""
             engine.speculation = None
+            restore = timed_engine_steps(f"b{len(ps)} plain")
             try:
                 return run_engine(llm, ps, new, "plain32")[0]
             finally:
+                restore()
                 engine.speculation = driver
 
         plain_beside = []
@@ -786,6 +833,7 @@ def main() -> int:
         same = sum(o == r for o, r in zip(outs, calib32, strict=True))
         rows.append((len(b32), "0.9 fixed k", acc, rate, rate / base, float("nan"),
                      f"{same}/{len(b32)}", *stats))
+        spec["breakdown"] = breakdown
         spec["plain32_beside"] = plain_beside
         spec["plain32_section2"] = plain32
         spec["rows"] = rows
@@ -869,6 +917,18 @@ def main() -> int:
                 "before and after each run (the faster of the two): "
                 + ", ".join(f"{r:.0f}" for r in spec["plain32_beside"])
                 + f" tok/s (section 2: {spec['plain32_section2']:.0f})")
+    if not args.no_spec:
+        say("\n== 4b. engine steps by kind (every step of each run, first-token steps included)")
+        say("| run | kind | steps | median ms | mean ms | total s | mean proposals |")
+        say("|---|---|---|---|---|---|---|")
+        for label, cats in spec["breakdown"]:
+            for kind in ("plain", "spec", "spec+catch-up"):
+                ts = cats.get(kind)
+                if ts:
+                    props = cats[f"{kind} proposals"]
+                    say(f"| {label} | {kind} | {len(ts)} | {1e3 * statistics.median(ts):.2f} | "
+                        f"{1e3 * statistics.fmean(ts):.2f} | {sum(ts):.3f} | "
+                        f"{statistics.fmean(props):.1f} |")
     say(f"\ngraphs captured in the verify sweep: {captured}; total {time.perf_counter() - t_start:.0f} s")
     return finish(args, results)
 
