@@ -448,6 +448,53 @@ def step_time(runner, batch: int, q: int, ctx: int, reps: int,
     return wall, gpu
 
 
+def catch_up_sweep(draft_runner, target_runner, batch: int, out: Path | None) -> list[str]:
+    """What the pieces of a speculative step cost at this batch: a draft forward in which every
+    sequence catches up on q tokens (logits for its last one only, as in propose()), and a
+    target pass over q tokens per sequence (logits for all: verification). Wall time of
+    execute_argmax (input building, graph or eager forward, argmax, the read), and a
+    torch.profiler table of one 16-token draft catch-up."""
+    ctx = 200
+    lines = ["| runner | batch | q tokens / sequence | path | wall ms | GPU ms (graph) |",
+             "|---|---|---|---|---|---|"]
+
+    def runs_last(runner, q):
+        return [SequenceRun(r.token_ids, r.start, r.block_table, [q - 1])
+                for r in synthetic_runs(runner, batch, q, ctx, first_block=1)]
+
+    for name, runner, qs, last in (("draft", draft_runner, (1, 2, 3, 4, 8, 16, 32, 64), True),
+                                   ("target", target_runner, (1, 2, 3, 5), False)):
+        for q in qs:
+            runs = runs_last(runner, q) if last else synthetic_runs(runner, batch, q, ctx, 1)
+            key = runner.graphs.key_for(runs) if runner.graphs is not None else None
+            wall = wall_time(lambda runs=runs, runner=runner: runner.execute_argmax(runs), 10)
+            gpu = float("nan")
+            if key is not None:
+                graph = runner.graphs.argmax_graphs.get(key)
+                if graph is not None:
+                    gpu = cuda_time(graph.replay, 10)
+            lines.append(f"| {name} | {batch} | {q} | {'graph' if key else 'eager'} | "
+                         f"{1e3 * wall:.2f} | {1e3 * gpu:.2f} |")
+    runs = runs_last(draft_runner, 16)
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    draft_runner.execute_argmax(runs)
+    sync()
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            draft_runner.execute_argmax(runs)
+        sync()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=20)
+    table_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=20)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "catch_up_profile.txt").write_text(table + "\n\n" + table_cpu)
+    return lines + ["", "3 draft catch-ups of 16 tokens x batch, by device time:", table,
+                    "by CPU time:", table_cpu]
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -570,6 +617,9 @@ def main() -> int:
     ap.add_argument("--spec-only", action="store_true",
                     help="only what section 4 needs: plain decode at batch 1 and 32, then "
                          "speculation (skips transformers, eager, the sweeps and compile)")
+    ap.add_argument("--catch-up-sweep", action="store_true",
+                    help="after section 4: time draft catch-up forwards and target passes at "
+                         "batch 32 by tokens per sequence, and profile one draft catch-up")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
@@ -833,6 +883,9 @@ def main() -> int:
         same = sum(o == r for o, r in zip(outs, calib32, strict=True))
         rows.append((len(b32), "0.9 fixed k", acc, rate, rate / base, float("nan"),
                      f"{same}/{len(b32)}", *stats))
+        if args.catch_up_sweep:
+            spec["catch_up_sweep"] = catch_up_sweep(draft_runner, engine.runner, len(b32),
+                                                    args.out)
         spec["breakdown"] = breakdown
         spec["plain32_beside"] = plain_beside
         spec["plain32_section2"] = plain32
@@ -917,6 +970,10 @@ def main() -> int:
                 "before and after each run (the faster of the two): "
                 + ", ".join(f"{r:.0f}" for r in spec["plain32_beside"])
                 + f" tok/s (section 2: {spec['plain32_section2']:.0f})")
+    if not args.no_spec and spec.get("catch_up_sweep"):
+        say("\n== 4c. draft catch-up and target pass cost by tokens per sequence")
+        for line in spec["catch_up_sweep"]:
+            say(line)
     if not args.no_spec:
         say("\n== 4b. engine steps by kind (every step of each run, first-token steps included)")
         say("| run | kind | steps | median ms | mean ms | total s | mean proposals |")
