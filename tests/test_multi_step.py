@@ -156,3 +156,35 @@ def test_greedy_draft_proposes_in_one_window(tiny_llama, tiny_llama_draft, test_
     assert proposed[0] == proposed[1]  # the very same proposals, step by step
     # proposals 2..4 of every drafting step (fewer where max_tokens caps k near the end)
     assert sizes and max(sizes) == 3 and min(sizes) >= 2
+
+
+def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_prompts,
+                                          monkeypatch):
+    """Sequences wanting different k (1..4) share one window of the longest k: the shorter
+    ones ride along and are cut, so every sequence proposes exactly what k single draft steps
+    would have, and the output stays plain greedy."""
+    from specserve.spec_decode.driver import SpeculationDriver
+
+    limit = SpeculationDriver._limit
+    monkeypatch.setattr(SpeculationDriver, "_limit", lambda self, s, b: min(
+        limit(self, s, b), 1 + s.seq.seq_id % 4))
+    prompts = test_prompts[:4]
+    kwargs = dict(speculative_model=str(tiny_llama_draft), num_speculative_tokens=4,
+                  speculative_adaptive=False)
+    want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
+    proposed: dict[str, list] = {}
+    sizes = _windows(monkeypatch)
+    for name, multi_step in (("stepwise", False), ("windowed", True)):
+        llm = tiny_llm(tiny_llama, **kwargs)
+        proposer = llm.llm_engine.speculation.proposer
+        proposer.multi_step = multi_step
+        log = proposed[name] = []
+        propose = proposer.propose
+        monkeypatch.setattr(proposer, "propose", lambda seqs, ks, propose=propose, log=log: (
+            out := propose(seqs, ks), log.append((list(ks), out.token_ids)))[0])
+        assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert proposed["stepwise"] == proposed["windowed"]
+    assert any(len(set(ks) - {0}) > 1 for ks, _ in proposed["windowed"])  # mixed k ran
+    assert all(len(t) == k for ks, toks in proposed["windowed"]
+               for k, t in zip(ks, toks, strict=True))
+    assert sizes and max(sizes) == 3  # one window per drafting step, of the longest k

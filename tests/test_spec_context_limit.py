@@ -63,6 +63,14 @@ class Spy:
         # logits, or argmax ids (the greedy fast path)
         runner.execute = spy(runner.execute)
         runner.execute_argmax = spy(runner.execute_argmax)
+        steps = runner.execute_argmax_steps
+
+        def window(runs, num_steps):  # one token per run, each fed num_steps forwards
+            for r in runs:
+                positions.extend(range(r.start, r.start + num_steps))
+            return steps(runs, num_steps)
+
+        runner.execute_argmax_steps = window
 
 
 def _prompts(tokenizer_llm, lengths: list[int]) -> list[list[int]]:

@@ -122,7 +122,7 @@ class LLMEngine:
         if spec is not None:
             proposer = create_proposer(spec, draft_runner, num_blocks, block_size,
                                        args.cache.enable_prefix_caching, self.vocab_size,
-                                       self.generator, blocked)
+                                       self.generator, blocked, spec_max_model_len)
             self.speculation = SpeculationDriver(spec, proposer, self.max_model_len,
                                                  spec_max_model_len)
         self.verifier = Verifier(

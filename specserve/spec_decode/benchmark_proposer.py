@@ -37,7 +37,8 @@ class ReplayProposer(DraftModelProposer):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance={acceptance!r} must be in [0, 1].")
         super().__init__(draft.runner, draft.block_manager, draft.vocab_size,
-                         draft.default_generator, draft.blocked_token_ids)
+                         draft.default_generator, draft.blocked_token_ids,
+                         draft.max_model_len)
         self.shadows = draft.shadows  # take over the draft's state (shadow sequences, blocks)
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.acceptance = acceptance

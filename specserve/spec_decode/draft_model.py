@@ -34,8 +34,11 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, vocab_size: int,
                  default_generator: torch.Generator,
-                 blocked_token_ids) -> None:
+                 blocked_token_ids, max_model_len: int | None = None) -> None:
+        """max_model_len: the speculative length limit (the draft computes no position at or
+        past it; None: no limit beyond the proposals' own)."""
         self.runner = runner
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.vocab_size = vocab_size
         self.default_generator = default_generator
@@ -78,17 +81,22 @@ class DraftModelProposer(Proposer):
 
     # ---- proposing -------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
-        ks = [k if k > 0 and self._reserve(seq, k) else 0 for seq, k in zip(seqs, max_tokens,
-                                                                             strict=True)]
+        # Plain greedy sequences propose the draft's argmax and are verified greedily, which
+        # never reads q: no probabilities, and argmax ids instead of logits.
+        greedy = all(is_plain_greedy(s.params) for s in seqs)
+        # A greedy batch may draft proposals 2..k of every sequence in one window of the
+        # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
+        window_k = max(max_tokens, default=0) if self.multi_step and greedy else 0
+        reserve = [window_k if window_k >= 3 and self._fits(seq, window_k) else k
+                   for seq, k in zip(seqs, max_tokens, strict=True)]
+        ks = [k if k > 0 and self._reserve(seq, r) else 0
+              for seq, k, r in zip(seqs, max_tokens, reserve, strict=True)]
         k_max = max(ks, default=0)
         proposals: list[list[int]] = [[] for _ in seqs]
         probs = None
         if k_max == 0:
             return DraftProposals(proposals, probs)
         device = self.runner.device
-        # Plain greedy sequences propose the draft's argmax and are verified greedily, which
-        # never reads q: no probabilities, and argmax ids instead of logits.
-        greedy = all(is_plain_greedy(s.params) for s in seqs)
         if not greedy:
             probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
                                 device=device)
@@ -114,17 +122,26 @@ class DraftModelProposer(Proposer):
                     probs[i, step] = step_probs[row]
                 shadow = self.shadows[seqs[i].seq_id]
                 shadow.num_computed_tokens = seqs[i].num_tokens + step
-            if step == 0 and step_probs is None and self._window_fits(ks, k_max):
+            if step == 0 and step_probs is None and self._window_fits(ks, reserve, k_max):
                 self._propose_window(seqs, active, proposals, k_max - 1)
+                for i in active:
+                    del proposals[i][ks[i]:]  # a shorter k rode along in the window
                 break
         return DraftProposals(proposals, probs, catch_up)
 
-    def _window_fits(self, ks: list[int], k_max: int) -> bool:
+    def _fits(self, seq: Sequence, k: int) -> bool:
+        """k proposals stay within the speculative limit (the driver's rule for its own k:
+        num_tokens + k <= the limit; the draft computes positions up to num_tokens + k - 2)."""
+        return self.max_model_len is None or seq.num_tokens + k <= self.max_model_len
+
+    def _window_fits(self, ks: list[int], reserved: list[int], k_max: int) -> bool:
         """Proposals 2..k can run as one window: the first step took the argmax path (every
         row plain greedy, nothing blocked; blocking only lifts as tokens are added, so no later
         step is blocked either), at least two more proposals are wanted, and every proposing
-        sequence wants the same k (each has KV slots reserved for exactly its own k)."""
-        return self.multi_step and k_max >= 3 and all(k in (0, k_max) for k in ks)
+        sequence has KV slots for k_max proposals (a sequence wanting fewer rides along: the
+        window costs the same for the batch, and its extra tokens are cut)."""
+        return self.multi_step and k_max >= 3 and all(
+            k == 0 or r >= k_max for k, r in zip(ks, reserved, strict=True))
 
     def _propose_window(self, seqs: list[Sequence], active: list[int],
                         proposals: list[list[int]], num_steps: int) -> None:

@@ -54,7 +54,9 @@ def load_draft_runner(spec: SpeculativeConfig, target: LoadedModel, dtype: torch
 def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, num_blocks: int,
                     block_size: int, enable_prefix_caching: bool, vocab_size: int,
                     generator: torch.Generator,
-                    blocked_token_ids: Callable[[Sequence, int], list[int]]) -> Proposer:
+                    blocked_token_ids: Callable[[Sequence, int], list[int]],
+                    max_model_len: int | None = None) -> Proposer:
+    """max_model_len: the speculative length limit (a draft computes no position past it)."""
     check_implemented(spec)
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min)
@@ -66,4 +68,4 @@ def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, n
     assert draft_runner is not None
     return DraftModelProposer(
         draft_runner, BlockManager(num_blocks, block_size, enable_prefix_caching), vocab_size,
-        generator, blocked_token_ids)
+        generator, blocked_token_ids, max_model_len)
