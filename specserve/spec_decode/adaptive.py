@@ -29,14 +29,13 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   past the largest measured p the last measured ratio is used, a lower bound (optimism: a
   larger p is tried once whenever it could pay, and then it is measured). Samples expire, so
   the estimates follow the machine's load.
-* **Probes.** A draft model's declined proposals cannot be scored for free, so a sequence that
-  stopped proposing gets a one-token probe after PROBE_INTERVAL idle steps (the interval doubles
-  with each probe until the sequence speculates on its merits again), and only as many probes
-  run as could pay if all were accepted, charged at least what a step in which the draft catches
-  up on skipped tokens was measured to cost.
+* **Draft models** (plan-first proposers, whose declined proposals cannot be scored for free and
+  whose cost is mostly a fixed price per step) do not choose proposal by proposal: the batch
+  runs a cap on k chosen by measured speedup (batch_cap.py), and each sequence proposes
+  min(cap, its own k), at least one.
 
-Each step the candidate proposals are sorted by that gain (most likely accepted first) and the
-policy keeps the prefix with the highest predicted tokens/second, none if plain decoding is
+For draft-free methods, each step the candidate proposals are sorted by that gain (most likely
+accepted first) and the policy keeps the prefix with the highest predicted tokens/second, none if plain decoding is
 predicted faster. ``speculative_disable_by_batch_size`` still applies first, as a hard limit.
 
 Sampled requests are *pinned*: with rejection sampling the token at a position depends on
@@ -55,23 +54,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specserve.spec_decode.batch_cap import CapSpeedups, batch_bucket
+
 EMA_WEIGHT = 0.3  # weight of the newest verification in a sequence's acceptance average
 PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before any data
 GLOBAL_EMA_WEIGHT = 0.05  # the engine-wide acceptance average that new sequences start from
 PINNED_MIN_GAIN = 0.3  # a pinned sequence proposes j tokens while their gain stays above this
-PROBE_INTERVAL = 16  # plan-first proposers (draft model): steps between one-token probes
+PROBE_INTERVAL = 16  # a pinned sequence of a draft model: idle steps before a one-token probe
 MAX_PROBE_INTERVAL = 256  # ... after probes that did not lead to speculation
+SEQ_MIN_GAIN = 0.1  # under a draft model's cap, a sequence proposes j tokens while gain >= this
 MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
-
-
-def batch_bucket(batch_size: int) -> int:
-    """Speculative cost ratios are shared within batch sizes 1, 2, 3-4, 5-8, 9-16, ..."""
-    return max(batch_size - 1, 0).bit_length()
 
 
 @dataclass
@@ -108,8 +105,6 @@ class StepCosts:
     ratio: dict[tuple[int, int], _Samples] = field(default_factory=dict)  # (bucket, p) -> t/t0
     after: dict[int, _Samples] = field(default_factory=dict)  # bucket -> plain-after-spec / t0
     switch_rate: float = 1.0  # how often a speculative step is followed by a plain one
-    catch_up: dict[int, _Samples] = field(default_factory=dict)  # bucket -> t / t0 of steps
-    # in which a draft model caught up on many tokens (its prefill, or after idle steps)
 
     # ---- observations ----------------------------------------------------------------------
     def observe(self, batch_size: int, num_proposals: int, seconds: float,
@@ -142,17 +137,6 @@ class StepCosts:
         for b, samples in self.plain.items():
             if b <= batch_size:
                 samples.drop_above(seconds)
-
-    def observe_catch_up(self, batch_size: int, seconds: float) -> None:
-        """A step in which the draft caught up on tokens it skipped: what a probe costs."""
-        t0 = self.plain_time(batch_size)
-        if t0 is not None:
-            self.catch_up.setdefault(batch_bucket(batch_size), _Samples()).add(
-                self.step, seconds / t0)
-
-    def catch_up_ratio(self, batch_size: int) -> float:
-        r = self._bucket_low(self.catch_up, batch_size)
-        return 1.0 if r is None else r
 
     def observe_switch(self, switched_off: bool) -> None:
         self.switch_rate = 0.9 * self.switch_rate + 0.1 * float(switched_off)
@@ -239,6 +223,8 @@ class AdaptiveSpeculation:
     # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
+    caps: CapSpeedups = field(default_factory=CapSpeedups)  # plan-first proposers
+    last_cap: int | None = None  # the cap the last plan(plan_first=True) ran
 
     # ---- acceptance ------------------------------------------------------------------------
     def record(self, seq_id: int, num_proposed: int, num_accepted: int) -> None:
@@ -285,28 +271,38 @@ class AdaptiveSpeculation:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], limits: list[int], pinned: list[bool] | None = None,
-             probe: bool = False) -> list[int]:
+             plan_first: bool = False) -> list[int]:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
-        methods the length of the proposal already found). probe=True gives a sequence that
-        has not proposed for PROBE_INTERVAL steps one proposal when that could pay
-        (plan-first proposers, whose declined proposals cannot be scored for free)."""
+        methods the length of the proposal already found). plan_first=True: a draft model
+        (the batch runs a measured cap, see batch_cap.py; last_cap says which)."""
         self.costs.step += 1
         n = len(seq_ids)
         pinned = pinned or [False] * n
         ks = [0] * n
         accept = [self._acceptance(s, p) for s, p in zip(seq_ids, pinned, strict=True)]
         candidates = []  # (gain of the j-th proposal of sequence i, j, i)
+        cap = 0
+        if plan_first:
+            unpinned = n - sum(pinned)
+            if unpinned and self.costs.plain_time(n) is not None:  # else: measure plain first
+                cap = self.caps.choose(self.costs.step, n, self.max_k)
+            self.last_cap = cap if unpinned else None
         for i in range(n):
             limit = min(limits[i], self.max_k)
             if pinned[i]:
                 ks[i] = max((j for j in range(1, limit + 1)
                              if self.gain(accept[i], j) >= PINNED_MIN_GAIN), default=0)
+            elif plan_first:
+                if cap and limit:
+                    ks[i] = min(cap, max((j for j in range(2, limit + 1)
+                                          if self.gain(accept[i], j) >= SEQ_MIN_GAIN),
+                                         default=1))
             else:
                 candidates.extend((self.gain(accept[i], j), j, i) for j in range(1, limit + 1))
         if candidates:
             self._choose(n, ks, accept, candidates)
-        if probe:
-            self._probe(seq_ids, limits, ks, accept, pinned)
+        if plan_first:
+            self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
 
     def _step_cost(self, n: int, max_p: int) -> np.ndarray | None:
@@ -343,14 +339,15 @@ class AdaptiveSpeculation:
         for _, j, i in candidates[:best_m]:
             ks[i] = max(ks[i], j)
 
-    def _probe(self, seq_ids: list[int], limits: list[int], ks: list[int],
-               accept: list[list[float]], pinned: list[bool]) -> None:
-        """One-token probes for sequences idle for PROBE_INTERVAL steps, but only as many as
-        could pay if every probe were accepted: where even a sure proposal costs more than it
-        brings (a large batch, a slow draft) a probe would only slow the step down (and make
-        the draft catch up on every token it skipped)."""
-        due = []
+    def _probe_pinned(self, seq_ids: list[int], limits: list[int], ks: list[int],
+                      pinned: list[bool]) -> None:
+        """A pinned sequence of a draft model that stopped proposing gets a one-token probe
+        after PROBE_INTERVAL idle steps (doubling with each probe until it speculates on its
+        merits again): its acceptance is only learned by verifying, and its schedule may
+        depend on nothing but its own history."""
         for i, seq_id in enumerate(seq_ids):
+            if not pinned[i]:
+                continue
             if ks[i] > 0:
                 self.idle_steps[seq_id] = 0
                 self.probe_interval.pop(seq_id, None)
@@ -358,27 +355,7 @@ class AdaptiveSpeculation:
             idle = self.idle_steps.get(seq_id, 0) + 1
             self.idle_steps[seq_id] = idle
             if idle >= self.probe_interval.get(seq_id, PROBE_INTERVAL) and limits[i] > 0:
-                if pinned[i]:  # on its own schedule only: never on timings or batch mates
-                    self._start_probe(seq_id, ks, i)
-                else:
-                    due.append(i)
-        if not due:
-            return
-        n = len(seq_ids)
-        fixed = sum(ks)
-        cost = self._step_cost(n, fixed + len(due))
-        if cost is None:
-            return
-        expected = self._expected(n, ks, accept)
-        best_rate, probes = self._rate_to_beat(expected, cost, fixed), 0
-        # A probe after idle steps makes the draft catch up on them: a step that costs what
-        # such steps were measured to cost, at least.
-        catch_up = self.costs.catch_up_ratio(n)
-        for m in range(1, len(due) + 1):
-            if (expected + m) / max(cost[fixed + m], catch_up) > best_rate:
-                probes = m
-        for i in due[:probes]:
-            self._start_probe(seq_ids[i], ks, i)
+                self._start_probe(seq_id, ks, i)
 
     def _start_probe(self, seq_id: int, ks: list[int], i: int) -> None:
         ks[i] = 1

@@ -26,8 +26,9 @@ CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a t
 class _Step:
     batch_size: int  # decoding sequences
     num_proposals: int
-    pure: bool  # only decode/verify runs, no prompt chunks
-    catch_up: bool = False  # a draft model caught up on many skipped tokens
+    pure: bool  # only decode/verify runs, no prompt chunks (nor a long draft catch-up)
+    cap: int | None = None  # a draft model's batch cap on k this step (batch_cap.py)
+    emitted: int = 0  # tokens committed
 
 
 class SpeculationDriver:
@@ -99,7 +100,8 @@ class SpeculationDriver:
                         self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
                 self._step.num_proposals = sum(ks)
                 return proposals, None
-            ks = self.adaptive.plan(ids, ks, pinned=pinned, probe=True)
+            ks = self.adaptive.plan(ids, ks, pinned=pinned, plan_first=True)
+            self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None
         out = self.proposer.propose(seqs, ks)
@@ -114,9 +116,8 @@ class SpeculationDriver:
             self._step.num_proposals = sum(len(p) for p in proposals)
             if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):
                 # The draft prefilled or caught up on many tokens: a one-time cost that would
-                # make every step with this many proposals look dear while the sample lives.
-                # (Small catch-ups, after a step or two of plain decoding, are measured.)
-                self._step.catch_up = self._step.pure  # what a probe costs (no prefill mixed in)
+                # make this cap look dear while the sample lives. (Small catch-ups, after a
+                # step or two of plain decoding, are measured.)
                 self._step.pure = False
         return proposals, draft_probs
 
@@ -146,8 +147,10 @@ class SpeculationDriver:
         if step.pure:
             costs.observe(step.batch_size, step.num_proposals, seconds,
                           after_spec=self._last_was_spec)
-        elif step.catch_up:
-            costs.observe_catch_up(step.batch_size, seconds)
+            plain = costs.plain_time(step.batch_size)
+            if step.cap and plain is not None:
+                self.adaptive.caps.observe(costs.step, step.batch_size, step.cap,
+                                           step.emitted, seconds, plain)
         if self._last_was_spec:
             costs.observe_switch(step.num_proposals == 0)
         self._last_was_spec = step.num_proposals > 0
@@ -156,6 +159,8 @@ class SpeculationDriver:
                      num_proposed: int, num_accepted: int, num_committed: int) -> None:
         self.proposer.on_verified(seq, num_tokens_before, num_proposed, num_accepted)
         self.metrics.record(num_proposed, num_accepted, num_committed)
+        if self._step is not None:
+            self._step.emitted += num_committed
         if self.adaptive is not None:
             self.adaptive.record(seq.seq_id, num_proposed, num_accepted)
         if num_proposed:
