@@ -495,6 +495,60 @@ def catch_up_sweep(draft_runner, target_runner, batch: int, out: Path | None) ->
                     "by CPU time:", table_cpu]
 
 
+def profile_spec_steps(engine, driver, prompts: list[list[int]], new_tokens: int,
+                       out: Path | None, steps: int = 4) -> list[str]:
+    """torch.profiler over the first decode steps of a speculative batch (the first one makes
+    the draft prefill every prompt): per-step wall time and the top ops by CPU and device time,
+    with the step's phases labelled (propose, draft forwards, target pass)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(fn, label):
+        def run(*a, **kw):
+            with record_function(label):
+                return fn(*a, **kw)
+        return run
+
+    draft_runner = driver.proposer.runner
+    saved = [(driver, "propose"), (engine.runner, "execute_argmax"),
+             (draft_runner, "execute_argmax"), (draft_runner, "execute_argmax_steps")]
+    originals = [getattr(o, name) for o, name in saved]
+    for (o, name), fn in zip(saved, originals, strict=True):
+        label = {id(driver): "spec.propose", id(engine.runner): "target"}.get(id(o), "draft")
+        setattr(o, name, labelled(fn, f"{label}.{name}"))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"prof-{i}-{time.monotonic_ns()}", None, params,
+                           prompt_token_ids=prompt)
+    lines = []
+    try:
+        while any(not s.output_token_ids for r in engine.requests.values() for s in r.seqs):
+            engine.step()  # prefill, unprofiled
+        sync()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                         if torch.cuda.is_available() else [])
+        walls = []
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                walls.append(time.perf_counter() - t0)
+        lines.append("step wall ms: " + ", ".join(f"{1e3 * w:.1f}" for w in walls))
+        for sort in ("cpu_time_total", "cuda_time_total" if torch.cuda.is_available()
+                     else "self_cpu_time_total"):
+            lines.append(f"by {sort}:")
+            lines.append(prof.key_averages().table(sort_by=sort, row_limit=25))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        for (o, name), fn in zip(saved, originals, strict=True):
+            setattr(o, name, fn)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec_steps_profile.txt").write_text("\n".join(lines))
+    return lines
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -620,6 +674,9 @@ def main() -> int:
     ap.add_argument("--catch-up-sweep", action="store_true",
                     help="after section 4: time draft catch-up forwards and target passes at "
                          "batch 32 by tokens per sequence, and profile one draft catch-up")
+    ap.add_argument("--profile-spec-steps", action="store_true",
+                    help="after section 4: torch.profiler over the first decode steps of a "
+                         "batch-32 speculative run (the draft prefills in the first)")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
@@ -883,6 +940,10 @@ def main() -> int:
         same = sum(o == r for o, r in zip(outs, calib32, strict=True))
         rows.append((len(b32), "0.9 fixed k", acc, rate, rate / base, float("nan"),
                      f"{same}/{len(b32)}", *stats))
+        if args.profile_spec_steps:
+            driver.adaptive = None
+            replay.acceptance = 0.9
+            spec["profile_spec_steps"] = profile_spec_steps(engine, driver, b32, new32, args.out)
         if args.catch_up_sweep:
             spec["catch_up_sweep"] = catch_up_sweep(draft_runner, engine.runner, len(b32),
                                                     args.out)
@@ -970,6 +1031,10 @@ def main() -> int:
                 "before and after each run (the faster of the two): "
                 + ", ".join(f"{r:.0f}" for r in spec["plain32_beside"])
                 + f" tok/s (section 2: {spec['plain32_section2']:.0f})")
+    if not args.no_spec and spec.get("profile_spec_steps"):
+        say("\n== 4d. first decode steps of a batch-32 speculative run, profiled")
+        for line in spec["profile_spec_steps"]:
+            say(line)
     if not args.no_spec and spec.get("catch_up_sweep"):
         say("\n== 4c. draft catch-up and target pass cost by tokens per sequence")
         for line in spec["catch_up_sweep"]:

@@ -12,7 +12,7 @@ and lost 10-20 % at acceptance 0.5-0.7 where speculation can win.
 So the batch chooses a cap c on k (0: plain decoding) and every sequence proposes
 min(c, its own k) tokens, at least one, which keeps the draft in step with all of them. Each
 cap's speedup over plain decoding is measured on the steps that ran it, as (tokens emitted per
-sequence) / (step time / plain step time), per batch-size bucket. The planner runs the cap with
+sequence, averaged) / (fastest step time / plain step time), per batch-size bucket. The planner runs the cap with
 the best measured speedup and tries the neighbours of it (twice each) (speedup is unimodal in c:
 each further proposal is accepted less often and costs more), and the largest cap once while
 plain decoding is best (a draft that only pays with several proposals). Measurements expire,
@@ -52,14 +52,17 @@ class CapSpeedups:
         return kept
 
     def speedup(self, step: int, batch_size: int, cap: int) -> float | None:
-        """Tokens per plain-step time with this cap over plain decoding's one per sequence
-        (a ratio of sums: the throughput of the measured steps together); None if untried."""
+        """Tokens per sequence over step time (in plain steps) with this cap, against plain
+        decoding's one token per plain step; None if untried. The tokens are averaged (their
+        spread is acceptance's coin flips, both ways), the time is the fastest measured (other
+        load on the host only ever slows a step down: one stalled step must not condemn a cap,
+        and plain steps are priced the same way)."""
         if cap == 0:
             return 1.0
         kept = self._live(step, batch_size, cap)
         if not kept:
             return None
-        return sum(t for _, t, _ in kept) / sum(r for _, _, r in kept)
+        return sum(t for _, t, _ in kept) / len(kept) / min(r for _, _, r in kept)
 
     def choose(self, step: int, batch_size: int, max_k: int) -> int:
         """The cap to run this step: a neighbour of the best measured one while it has fewer
