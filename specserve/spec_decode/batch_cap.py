@@ -12,11 +12,11 @@ and lost 10-20 % at acceptance 0.5-0.7 where speculation can win.
 So the batch chooses a cap c on k (0: plain decoding) and every sequence proposes
 min(c, its own k) tokens, at least one, which keeps the draft in step with all of them. Each
 cap's speedup over plain decoding is measured on the steps that ran it, as (tokens emitted per
-sequence, averaged) / (fastest step time / plain step time), per batch-size bucket. The planner runs the cap with
-the best measured speedup and tries the neighbours of it (twice each) (speedup is unimodal in c:
-each further proposal is accepted less often and costs more), and the largest cap once while
-plain decoding is best (a draft that only pays with several proposals). Measurements expire,
-so caps are tried again as acceptance and load change.
+sequence, averaged) / (fastest step time / plain step time), per batch-size bucket. The
+planner runs the cap with the best measured speedup and tries each neighbour of it twice
+(speedup is unimodal in c: each further proposal is accepted less often and costs more), and
+the largest cap twice while plain decoding is best (a draft that only pays with several
+proposals). Measurements expire, so caps are tried again as acceptance and load change.
 """
 
 from __future__ import annotations
