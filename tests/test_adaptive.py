@@ -176,7 +176,7 @@ def _draft_run(acceptance: float, steps: int, batch: int = 32, k: int = 4,
             emitted += accepted + 1
         policy.costs.observe(batch, p, seconds, after_spec=False)
         if cap:
-            policy.caps.observe(policy.costs.step, batch, cap, emitted, seconds,
+            policy.caps.observe(policy.costs.step, batch, cap, seconds,
                                 policy.costs.plain_time(batch))
     return caps
 
@@ -207,9 +207,8 @@ def test_under_a_cap_each_sequence_proposes_what_its_acceptance_pays_for():
     policy = _policy(lambda b, p: 1.0 + 0.001 * p, batches=(2,))
     _train(policy, 1, 1.0)
     _train(policy, 2, 0.0)
-    for cap, tokens in ((3, 5), (4, 6), (5, 5)) * 2:  # cap 4 measured best, and around it
-        policy.caps.observe(policy.costs.step, 2, cap, tokens, PLAIN_SECONDS * 1.2,
-                            PLAIN_SECONDS)
+    for cap, ratio in ((3, 1.2), (4, 1.2), (5, 3.0)) * 2:  # cap 4 pays best
+        policy.caps.observe(policy.costs.step, 2, cap, PLAIN_SECONDS * ratio, PLAIN_SECONDS)
     assert policy.plan([1, 2], [5, 5], plan_first=True) == [4, 1]  # never below one
     assert policy.last_cap == 4
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.spec_decode.batch_cap import CapSpeedups, batch_bucket
+from specserve.spec_decode.batch_cap import CapCosts, batch_bucket
 
 EMA_WEIGHT = 0.3  # weight of the newest verification in a sequence's acceptance average
 PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before any data
@@ -223,7 +223,7 @@ class AdaptiveSpeculation:
     # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
-    caps: CapSpeedups = field(default_factory=CapSpeedups)  # plan-first proposers
+    caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
     last_cap: int | None = None  # the cap the last plan(plan_first=True) ran
 
     # ---- acceptance ------------------------------------------------------------------------
@@ -281,29 +281,39 @@ class AdaptiveSpeculation:
         ks = [0] * n
         accept = [self._acceptance(s, p) for s, p in zip(seq_ids, pinned, strict=True)]
         candidates = []  # (gain of the j-th proposal of sequence i, j, i)
-        cap = 0
-        if plan_first:
-            unpinned = n - sum(pinned)
-            if unpinned and self.costs.plain_time(n) is not None:  # else: measure plain first
-                cap = self.caps.choose(self.costs.step, n, self.max_k)
-            self.last_cap = cap if unpinned else None
+        own = [0] * n  # plan_first: what each unpinned sequence would propose under no cap
         for i in range(n):
             limit = min(limits[i], self.max_k)
             if pinned[i]:
                 ks[i] = max((j for j in range(1, limit + 1)
                              if self.gain(accept[i], j) >= PINNED_MIN_GAIN), default=0)
             elif plan_first:
-                if cap and limit:
-                    ks[i] = min(cap, max((j for j in range(2, limit + 1)
-                                          if self.gain(accept[i], j) >= SEQ_MIN_GAIN),
-                                         default=1))
+                own[i] = max((j for j in range(2, limit + 1)
+                              if self.gain(accept[i], j) >= SEQ_MIN_GAIN), default=min(limit, 1))
             else:
                 candidates.extend((self.gain(accept[i], j), j, i) for j in range(1, limit + 1))
         if candidates:
             self._choose(n, ks, accept, candidates)
         if plan_first:
+            self._cap(n, ks, own, accept, pinned)
             self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
+
+    def _cap(self, n: int, ks: list[int], own: list[int], accept: list[list[float]],
+             pinned: list[bool]) -> None:
+        """A draft model's batch cap (batch_cap.py): every unpinned sequence proposes
+        min(cap, its own k). Plain decoding until the plain step time is measured."""
+        unpinned = [i for i in range(n) if not pinned[i]]
+        self.last_cap = None if not unpinned else 0
+        if not unpinned or self.costs.plain_time(n) is None:
+            return
+        gains = [[self.gain(accept[i], j) for j in range(1, own[i] + 1)] for i in unpinned]
+        # expected tokens per unpinned sequence under each cap
+        expected = [1.0 + sum(sum(g[:c]) for g in gains) / len(unpinned)
+                    for c in range(self.max_k + 1)]
+        cap = self.last_cap = self.caps.choose(self.costs.step, n, expected)
+        for i in unpinned:
+            ks[i] = min(cap, own[i])
 
     def _step_cost(self, n: int, max_p: int) -> np.ndarray | None:
         """cost[p], p = 0..max_p: a step with p proposals over a batch of n, in plain steps;

@@ -10,13 +10,14 @@ a cost curve interpolated from a few points left most sequences idle and paid fo
 and lost 10-20 % at acceptance 0.5-0.7 where speculation can win.
 
 So the batch chooses a cap c on k (0: plain decoding) and every sequence proposes
-min(c, its own k) tokens, at least one, which keeps the draft in step with all of them. Each
-cap's speedup over plain decoding is measured on the steps that ran it, as (tokens emitted per
-sequence, averaged) / (fastest step time / plain step time), per batch-size bucket. The
-planner runs the cap with the best measured speedup and tries each neighbour of it twice
-(speedup is unimodal in c: each further proposal is accepted less often and costs more), and
-the largest cap twice while plain decoding is best (a draft that only pays with several
-proposals). Measurements expire, so caps are tried again as acceptance and load change.
+min(c, its own k) tokens, at least one, which keeps the draft in step with all of them. What a
+step with each cap costs is measured on the steps that ran it, as step time / plain step time
+per batch-size bucket; what it brings comes from the sequences' acceptance averages (the
+expected tokens per sequence). The planner runs the cap with the best predicted speedup and
+tries each neighbour of it twice (speedup is unimodal in c: each further proposal is accepted
+less often and costs more), and the largest cap twice while plain decoding is best (a draft
+that only pays with several proposals). Measurements expire, so caps are tried again as load
+changes.
 """
 
 from __future__ import annotations
@@ -35,42 +36,42 @@ def batch_bucket(batch_size: int) -> int:
 
 
 @dataclass
-class CapSpeedups:
-    # (batch bucket, cap) -> [(step, tokens per sequence, step time / plain step time)]
-    samples: dict[tuple[int, int], list[tuple[int, float, float]]] = field(default_factory=dict)
+class CapCosts:
+    # (batch bucket, cap) -> [(step, step time / plain step time)]
+    samples: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
 
-    def observe(self, step: int, batch_size: int, cap: int, emitted: int, seconds: float,
+    def observe(self, step: int, batch_size: int, cap: int, seconds: float,
                 plain_seconds: float) -> None:
         """One pure decode/verify step that ran `cap` over batch_size sequences."""
         kept = self.samples.setdefault((batch_bucket(batch_size), cap), [])
-        kept.append((step, emitted / batch_size, seconds / plain_seconds))
+        kept.append((step, seconds / plain_seconds))
         del kept[:-CAP_SAMPLES]
 
-    def _live(self, step: int, batch_size: int, cap: int) -> list[tuple[int, float, float]]:
+    def _live(self, step: int, batch_size: int, cap: int) -> list[tuple[int, float]]:
         kept = self.samples.get((batch_bucket(batch_size), cap), [])
         kept[:] = [s for s in kept if s[0] >= step - CAP_EXPIRY]
         return kept
 
-    def speedup(self, step: int, batch_size: int, cap: int) -> float | None:
-        """Tokens per sequence over step time (in plain steps) with this cap, against plain
-        decoding's one token per plain step; None if untried. The tokens are averaged (their
-        spread is acceptance's coin flips, both ways), the time is the fastest measured (other
-        load on the host only ever slows a step down: one stalled step must not condemn a cap,
-        and plain steps are priced the same way)."""
+    def ratio(self, step: int, batch_size: int, cap: int) -> float | None:
+        """What a step with this cap costs, in plain steps: the fastest measured (other load
+        on the host only ever slows a step down, and plain steps are priced the same way);
+        None if untried."""
         if cap == 0:
             return 1.0
         kept = self._live(step, batch_size, cap)
-        if not kept:
-            return None
-        return sum(t for _, t, _ in kept) / len(kept) / min(r for _, _, r in kept)
+        return min(r for _, r in kept) if kept else None
 
-    def choose(self, step: int, batch_size: int, max_k: int) -> int:
-        """The cap to run this step: a neighbour of the best measured one while it has fewer
-        than TRIES_PER_CAP measurements (one step is noisy: acceptance is a coin flip per
-        proposal), else the best (plain decoding unless a cap beats it by MIN_SPEEDUP)."""
-        measured = {c: s for c in range(max_k + 1)
-                    if (s := self.speedup(step, batch_size, c)) is not None}
-        best = max(measured, key=lambda c: measured[c] / (1.0 if c == 0 else MIN_SPEEDUP))
+    def choose(self, step: int, batch_size: int, expected: list[float]) -> int:
+        """The cap to run this step, given the tokens per sequence each cap is expected to emit
+        (expected[0] = 1: plain decoding): a neighbour of the best measured cap while it has
+        fewer than TRIES_PER_CAP measurements (one step can be a stalled one), else the best
+        (plain decoding unless a cap beats it by MIN_SPEEDUP). Costs are measured, tokens come
+        from the sequences' current acceptance, so a change of text re-ranks every cap at
+        once, not only the one being run."""
+        max_k = len(expected) - 1
+        speedups = {c: expected[c] / r for c in range(max_k + 1)
+                    if (r := self.ratio(step, batch_size, c)) is not None}
+        best = max(speedups, key=lambda c: speedups[c] / (1.0 if c == 0 else MIN_SPEEDUP))
         for c in (best + 1, best - 1) + ((max_k,) if best == 0 else ()):
             if 1 <= c <= max_k and len(self._live(step, batch_size, c)) < TRIES_PER_CAP:
                 return c

@@ -28,7 +28,6 @@ class _Step:
     num_proposals: int
     pure: bool  # only decode/verify runs, no prompt chunks (nor a long draft catch-up)
     cap: int | None = None  # a draft model's batch cap on k this step (batch_cap.py)
-    emitted: int = 0  # tokens committed
 
 
 class SpeculationDriver:
@@ -149,8 +148,8 @@ class SpeculationDriver:
                           after_spec=self._last_was_spec)
             plain = costs.plain_time(step.batch_size)
             if step.cap and plain is not None:
-                self.adaptive.caps.observe(costs.step, step.batch_size, step.cap,
-                                           step.emitted, seconds, plain)
+                self.adaptive.caps.observe(costs.step, step.batch_size, step.cap, seconds,
+                                           plain)
         if self._last_was_spec:
             costs.observe_switch(step.num_proposals == 0)
         self._last_was_spec = step.num_proposals > 0
@@ -159,8 +158,6 @@ class SpeculationDriver:
                      num_proposed: int, num_accepted: int, num_committed: int) -> None:
         self.proposer.on_verified(seq, num_tokens_before, num_proposed, num_accepted)
         self.metrics.record(num_proposed, num_accepted, num_committed)
-        if self._step is not None:
-            self._step.emitted += num_committed
         if self.adaptive is not None:
             self.adaptive.record(seq.seq_id, num_proposed, num_accepted)
         if num_proposed:
