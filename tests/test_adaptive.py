@@ -14,6 +14,7 @@ from specserve.spec_decode.adaptive import (
     AdaptiveSpeculation,
     StepCosts,
 )
+from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket
 from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
@@ -330,3 +331,25 @@ def test_continuation_rate_is_optimistic_until_tried():
         for _ in range(20):
             draft.record(seq_id, 4, 1)
     assert draft.plan(batch, [4] * 32) == [0] * 32
+
+
+def test_draft_speculation_is_not_flipped_on_and_off_near_break_even():
+    """Each time a draft model's speculation is turned back on the draft catches up on what it
+    skipped: near break-even the choice must not follow the estimates' noise."""
+    caps = CapCosts()
+    for step in range(2):
+        caps.observe(step, 32, 1, PLAIN_SECONDS * 1.0, PLAIN_SECONDS)  # cap 1 costs 1.0 ...
+        caps.observe(step, 32, 2, PLAIN_SECONDS * 3.0, PLAIN_SECONDS)
+    caps.current[batch_bucket(32)] = 0
+    assert caps.choose(2, 32, [1.0, 1.04, 1.05]) == 0  # ... a 4 % gain does not turn it on
+    assert caps.choose(2, 32, [1.0, 1.06, 1.07]) == 1  # 6 % does
+    assert caps.choose(2, 32, [1.0, 1.0, 1.01]) == 1  # and it stays on at break-even
+    assert caps.choose(2, 32, [1.0, 0.97, 0.98]) == 0  # off once clearly behind
+
+
+def test_draft_caps_are_tried_again_after_they_expire():
+    """Load changes: a cap found not to pay is measured again once its samples expire (and
+    no more often)."""
+    caps = _draft_run(0.1, 3 * CAP_EXPIRY)
+    tries = [i for i, c in enumerate(caps) if c]
+    assert CAP_EXPIRY < tries[-1] and len(tries) <= 3 * 8, tries

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIN_SPEEDUP = 1.02  # a cap must beat plain decoding by this much to be run (noise margin)
+SWITCH_MARGIN = 1.03  # ... and turning speculation on or off must win by this much more
 CAP_EXPIRY = 200  # steps after which a cap's speedup sample is dropped
 CAP_SAMPLES = 8  # kept per (batch bucket, cap)
 TRIES_PER_CAP = 2  # measured steps before a neighbour of the best cap is judged
@@ -39,6 +40,7 @@ def batch_bucket(batch_size: int) -> int:
 class CapCosts:
     # (batch bucket, cap) -> [(step, step time / plain step time)]
     samples: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)  # batch bucket -> cap last chosen
 
     def observe(self, step: int, batch_size: int, cap: int, seconds: float,
                 plain_seconds: float) -> None:
@@ -67,11 +69,29 @@ class CapCosts:
         fewer than TRIES_PER_CAP measurements (one step can be a stalled one), else the best
         (plain decoding unless a cap beats it by MIN_SPEEDUP). Costs are measured, tokens come
         from the sequences' current acceptance, so a change of text re-ranks every cap at
-        once, not only the one being run."""
+        once, not only the one being run. Turning speculation on or off must also win by
+        SWITCH_MARGIN: each time it is turned back on the draft catches up on the tokens it
+        skipped, a step that cost 3-5 plain ones at batch 32 on the H200, and near break-even
+        the estimates' noise flipped it every few steps."""
         max_k = len(expected) - 1
+        bucket = batch_bucket(batch_size)
+        current = self.current.get(bucket, 0)
         speedups = {c: expected[c] / r for c in range(max_k + 1)
                     if (r := self.ratio(step, batch_size, c)) is not None}
-        best = max(speedups, key=lambda c: speedups[c] / (1.0 if c == 0 else MIN_SPEEDUP))
+
+        def score(c: int) -> float:
+            s = speedups[c] / (1.0 if c == 0 else MIN_SPEEDUP)
+            return s / SWITCH_MARGIN if (c > 0) != (current > 0) else s
+
+        best = max(speedups, key=score)
+        choice = self._explore(step, batch_size, best, max_k, set(speedups))
+        self.current[bucket] = choice
+        return choice
+
+    def _explore(self, step: int, batch_size: int, best: int, max_k: int,
+                 measured: set[int]) -> int:
+        """An under-measured neighbour of the best cap (or the largest cap, while plain
+        decoding is best), else the best."""
         for c in (best + 1, best - 1) + ((max_k,) if best == 0 else ()):
             if 1 <= c <= max_k and len(self._live(step, batch_size, c)) < TRIES_PER_CAP:
                 return c
