@@ -677,6 +677,9 @@ def main() -> int:
     ap.add_argument("--profile-spec-steps", action="store_true",
                     help="after section 4: torch.profiler over the first decode steps of a "
                          "batch-32 speculative run (the draft prefills in the first)")
+    ap.add_argument("--steps-log", action="store_true",
+                    help="write every engine step of section 4's runs to OUT/steps.jsonl "
+                         "(time, proposals, draft catch-up tokens, cap, batch)")
     ap.add_argument("--log-compiles", action="store_true",
                     help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
@@ -830,6 +833,10 @@ def main() -> int:
         rows = []
 
         breakdown: list[tuple[str, dict]] = []  # (run label, category -> step seconds)
+        steps_log = None
+        if args.steps_log and args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            steps_log = (args.out / "steps.jsonl").open("w")  # written as the runs go
         step_shape: dict[str, int] = {}  # this step's proposals and draft catch-up tokens
         propose, replay_propose = driver.propose, replay.propose
 
@@ -864,6 +871,14 @@ def main() -> int:
                         "spec+catch-up" if catch > 4 * max(props // K_SPEC, 1) else "spec")
                 cats.setdefault(kind, []).append(dt)
                 cats.setdefault(f"{kind} proposals", []).append(props)
+                if steps_log is not None:
+                    cap = adaptive.last_cap if driver.adaptive is not None else None
+                    steps_log.write(json.dumps(dict(
+                        run=label, ms=round(1e3 * dt, 2), proposals=props, catch_up=catch,
+                        cap=cap, batch=sum(1 for r in engine.requests.values()
+                                           for q in r.seqs if not q.is_finished),
+                        finished=sum(o.finished for o in out))) + "\n")
+                    steps_log.flush()
                 return out
 
             engine.step = timed
