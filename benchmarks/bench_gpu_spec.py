@@ -840,13 +840,13 @@ def main() -> int:
         step_shape: dict[str, int] = {}  # this step's proposals and draft catch-up tokens
         propose, replay_propose = driver.propose, replay.propose
 
-        def propose_logged(scheduled, sampled):
-            out = propose(scheduled, sampled)
+        def propose_logged(scheduled, sampled, on_device=False):
+            out = propose(scheduled, sampled, on_device)
             step_shape["proposals"] = sum(len(p) for p in out[0])
             return out
 
-        def replay_logged(seqs, ks):
-            out = replay_propose(seqs, ks)
+        def replay_logged(seqs, ks, on_device=False):
+            out = replay_propose(seqs, ks, on_device)
             step_shape["catch_up"] = step_shape.get("catch_up", 0) + out.num_catch_up_tokens
             return out
 

@@ -21,13 +21,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def _windows(monkeypatch) -> list[int]:
     """Spy on the runner: the length of every multi-step window run."""
     sizes: list[int] = []
-    original = ModelRunner.execute_argmax_steps
+    original = ModelRunner.execute_argmax_steps_device
 
-    def spy(self, runs, num_steps):
+    def spy(self, runs, num_steps, first=None):
         sizes.append(num_steps)
-        return original(self, runs, num_steps)
+        return original(self, runs, num_steps, first)
 
-    monkeypatch.setattr(ModelRunner, "execute_argmax_steps", spy)
+    monkeypatch.setattr(ModelRunner, "execute_argmax_steps_device", spy)
     return sizes
 
 
@@ -127,35 +127,50 @@ def test_window_slots_take_no_token_budget(tiny_llama, test_prompts, monkeypatch
     assert batches and batches[0] == len(prompts)  # 12 x 8 slots > 64 tokens of budget
 
 
+DRAFT_MODES = {  # how a greedy batch drafts: (multi_step window, proposals left on device)
+    "stepwise": (False, False), "window": (True, False), "device": (True, True)}
+
+
+def _draft_llm(tiny_llama, tiny_llama_draft, mode: str, monkeypatch, log: list):
+    """A greedy draft-model LLM in one drafting mode; every verified step's proposals (as the
+    verifier saw them, values read back) are appended to log."""
+    from specserve.spec_decode.verifier import Verifier
+
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft),
+                   num_speculative_tokens=4, speculative_adaptive=False)
+    proposer = llm.llm_engine.speculation.proposer
+    proposer.multi_step, proposer.device_proposals = DRAFT_MODES[mode]
+    verifier = llm.llm_engine.verifier
+    accept = Verifier.accept_greedy
+    monkeypatch.setattr(verifier, "accept_greedy", lambda proposals, rows: (
+        log.append([list(p) for p in proposals]), accept(proposals, rows))[1])
+    on_device = proposer._propose_on_device
+    llm.device_steps = []  # steps whose proposals were verified straight from the device
+    monkeypatch.setattr(proposer, "_propose_on_device", lambda *a: (
+        llm.device_steps.append(1), on_device(*a))[1])
+    return llm
+
+
 def test_greedy_draft_proposes_in_one_window(tiny_llama, tiny_llama_draft, test_prompts,
                                              monkeypatch):
-    """A plain greedy batch with a fixed k drafts proposals 2..k in one multi-step window:
-    the proposals (and so the output) are those of k single draft steps."""
+    """A plain greedy batch with a fixed k drafts proposals 2..k in one multi-step window,
+    with or without reading them back before verification: the proposals (and so the
+    output) are those of k single draft steps."""
     prompts = test_prompts[:4]
-    kwargs = dict(speculative_model=str(tiny_llama_draft), num_speculative_tokens=4,
-                  speculative_adaptive=False)
     want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
-    stepwise = tiny_llm(tiny_llama, **kwargs)
-    stepwise.llm_engine.speculation.proposer.multi_step = False
-    proposed: list[list[list[int]]] = []
-
-    def record(llm):
-        proposer = llm.llm_engine.speculation.proposer
-        propose = proposer.propose
-        log: list[list[int]] = []
-        monkeypatch.setattr(proposer, "propose", lambda seqs, ks: (
-            out := propose(seqs, ks), log.extend(out.token_ids))[0])
-        proposed.append(log)
-
-    record(stepwise)
-    assert _summary(stepwise.generate(prompts, GREEDY, use_tqdm=False)) == want
-    sizes = _windows(monkeypatch)
-    windowed = tiny_llm(tiny_llama, **kwargs)
-    record(windowed)
-    assert _summary(windowed.generate(prompts, GREEDY, use_tqdm=False)) == want
-    assert proposed[0] == proposed[1]  # the very same proposals, step by step
-    # proposals 2..4 of every drafting step (fewer where max_tokens caps k near the end)
-    assert sizes and max(sizes) == 3 and min(sizes) >= 2
+    proposed: dict[str, list] = {}
+    for mode in DRAFT_MODES:
+        log = proposed[mode] = []
+        llm = _draft_llm(tiny_llama, tiny_llama_draft, mode, monkeypatch, log)
+        sizes = _windows(monkeypatch)
+        assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+        assert bool(llm.device_steps) == (mode == "device")
+        if mode == "stepwise":
+            assert not sizes
+        else:  # proposals 2..4 of every drafting step (fewer near the end: max_tokens caps k)
+            assert sizes and max(sizes) == 3 and min(sizes) >= 1
+    assert proposed["stepwise"] == proposed["window"] == proposed["device"]
+    assert sum(map(len, proposed["device"][1])) > 0
 
 
 def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_prompts,
@@ -169,22 +184,14 @@ def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_pro
     monkeypatch.setattr(SpeculationDriver, "_limit", lambda self, s, b: min(
         limit(self, s, b), 1 + s.seq.seq_id % 4))
     prompts = test_prompts[:4]
-    kwargs = dict(speculative_model=str(tiny_llama_draft), num_speculative_tokens=4,
-                  speculative_adaptive=False)
     want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
     proposed: dict[str, list] = {}
-    sizes = _windows(monkeypatch)
-    for name, multi_step in (("stepwise", False), ("windowed", True)):
-        llm = tiny_llm(tiny_llama, **kwargs)
-        proposer = llm.llm_engine.speculation.proposer
-        proposer.multi_step = multi_step
-        log = proposed[name] = []
-        propose = proposer.propose
-        monkeypatch.setattr(proposer, "propose", lambda seqs, ks, propose=propose, log=log: (
-            out := propose(seqs, ks), log.append((list(ks), out.token_ids)))[0])
+    for mode in DRAFT_MODES:
+        log = proposed[mode] = []
+        llm = _draft_llm(tiny_llama, tiny_llama_draft, mode, monkeypatch, log)
+        sizes = _windows(monkeypatch)
         assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
-    assert proposed["stepwise"] == proposed["windowed"]
-    assert any(len(set(ks) - {0}) > 1 for ks, _ in proposed["windowed"])  # mixed k ran
-    assert all(len(t) == k for ks, toks in proposed["windowed"]
-               for k, t in zip(ks, toks, strict=True))
-    assert sizes and max(sizes) == 3  # one window per drafting step, of the longest k
+        if mode != "stepwise":
+            assert sizes and max(sizes) == 3  # one window per drafting step, the longest k
+    assert proposed["stepwise"] == proposed["window"] == proposed["device"]
+    assert any(len({len(p) for p in step} - {0}) > 1 for step in proposed["device"])  # mixed

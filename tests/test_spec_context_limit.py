@@ -43,11 +43,11 @@ class Spy:
         engine.scheduler.schedule = spy_schedule
         propose = engine.speculation.propose
 
-        def spy_propose(scheduled, sampled):
-            proposals, probs = propose(scheduled, sampled)
+        def spy_propose(scheduled, sampled, on_device=False):
+            proposals, probs, pending = propose(scheduled, sampled, on_device)
             for s, p in zip(sampled, proposals, strict=True):
                 self.proposals.append((s.seq.num_tokens, len(p)))
-            return proposals, probs
+            return proposals, probs, pending
 
         engine.speculation.propose = spy_propose
 
@@ -62,15 +62,22 @@ class Spy:
 
         # logits, or argmax ids (the greedy fast path)
         runner.execute = spy(runner.execute)
-        runner.execute_argmax = spy(runner.execute_argmax)
-        steps = runner.execute_argmax_steps
+        execute_argmax_device = runner.execute_argmax_device
 
-        def window(runs, num_steps):  # one token per run, each fed num_steps forwards
+        def argmax_device(runs, fed=None):  # every argmax pass, device proposals or not
+            for r in runs:
+                positions.extend(range(r.start, r.start + len(r.token_ids)))
+            return execute_argmax_device(runs, fed)
+
+        runner.execute_argmax_device = argmax_device
+        steps = runner.execute_argmax_steps_device
+
+        def window(runs, num_steps, first=None):  # one token per run, num_steps forwards
             for r in runs:
                 positions.extend(range(r.start, r.start + num_steps))
-            return steps(runs, num_steps)
+            return steps(runs, num_steps, first)
 
-        runner.execute_argmax_steps = window
+        runner.execute_argmax_steps_device = window
 
 
 def _prompts(tokenizer_llm, lengths: list[int]) -> list[list[int]]:

@@ -33,6 +33,7 @@ from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
+from specserve.worker.transfer import to_device
 
 logger = logging.getLogger(__name__)
 # Draft forwards served by CUDA graphs: up to this many tokens per sequence. A proposal step
@@ -288,11 +289,16 @@ class LLMEngine:
         now = time.time()
         sampled = [s for s in sched.scheduled if s.samples]
         proposals: list[list[int]] = [[] for _ in sampled]
-        draft_probs = None
-        if self.speculation is not None:
-            proposals, draft_probs = self.speculation.propose(sched.scheduled, sampled)
-        runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
+        draft_probs = pending = None
         seqs = [s.seq for s in sampled]
+        if self.speculation is not None:
+            # A greedy verification (argmax rows, no logprobs of any kind) can take a draft
+            # model's proposals straight from the device.
+            on_device = (all(s.seq.params.prompt_logprobs is None for s in sched.scheduled)
+                         and self._argmax_suffices(seqs, {}))
+            proposals, draft_probs, pending = self.speculation.propose(
+                sched.scheduled, sampled, on_device)
+        runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
         logits = logprobs = None
         num_steps = self._multi_step_window(sched.scheduled, prompt_rows)
         if num_steps > 1:
@@ -300,6 +306,10 @@ class LLMEngine:
             # below like an accepted run (a stop inside the window truncates there).
             emitted = self.runner.execute_argmax_steps(runs, num_steps)
             verified = VerifyResult(emitted, [0] * len(emitted))
+        elif pending is not None:
+            # Proposals still on the device: fed into the verification pass there, read back
+            # with its argmax tokens (the step's one sync); the placeholders get their values.
+            verified = self._verify_on_device(sched.scheduled, runs, proposals, pending)
         elif self._argmax_suffices(seqs, prompt_rows):
             # Greedy fast path: the target pass returns each row's argmax token, not logits
             # (ONE pass still scores everything; its token read is the step's one sync).
@@ -385,6 +395,34 @@ class LLMEngine:
         if len(budgets) == len(seqs):
             window = min(window, max(budgets))
         return max(1, min(window, self.num_scheduler_steps))
+
+    def _verify_on_device(self, scheduled: list[ScheduledSequence], runs: list[SequenceRun],
+                          proposals: list[list[int]], pending: torch.Tensor) -> VerifyResult:
+        """Greedy verification of proposals that are still on the device (pending [S, K]):
+        they are written into the pass's input tokens there, then read back together with
+        the pass's argmax tokens in one read, and proposals' placeholders are filled in."""
+        rows: list[int] = []  # packed input rows of the proposals
+        src: list[int] = []  # their flat index in pending
+        offset, i = 0, 0
+        width = pending.shape[1]
+        for s, run in zip(scheduled, runs, strict=True):
+            if s.samples:
+                first = offset + s.num_new_tokens
+                rows.extend(range(first, first + len(proposals[i])))
+                src.extend(range(i * width, i * width + len(proposals[i])))
+                i += 1
+            offset += len(run.token_ids)
+        device = pending.device
+        values = pending.flatten()[to_device(src, torch.int64, device)]  # [P]
+        tokens = self.runner.execute_argmax_device(
+            runs, fed=(to_device(rows, torch.int64, device), values))  # [R]
+        read = torch.cat([values, tokens]).tolist()  # the step's one read
+        values_host, row_tokens = read[: len(src)], read[len(src):]
+        j = 0
+        for props in proposals:
+            props[:] = values_host[j : j + len(props)]
+            j += len(props)
+        return self.verifier.accept_greedy(proposals, row_tokens)
 
     def _argmax_suffices(self, seqs: list[Sequence], prompt_rows: dict[int, list[int]]) -> bool:
         """No logits are needed this step: no prompt logprobs, no sampled logprobs, and every

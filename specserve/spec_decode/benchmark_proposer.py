@@ -22,6 +22,7 @@ from specserve.engine.sequence import Sequence as Seq
 from specserve.sampling_params import SamplingType
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.worker.model_runner import SequenceRun
+from specserve.worker.transfer import to_device
 
 ENV_FLAG = "SPECSERVE_BENCHMARK_PROPOSER"
 
@@ -80,6 +81,15 @@ class ReplayProposer(DraftModelProposer):
             "the replay proposer only models greedy requests"
         probs, _ = super()._step_tokens(seqs, drafted, runs, greedy)  # the real draft cost
         return probs, [self._replay(s, len(d)) for s, d in zip(seqs, drafted, strict=True)]
+
+    def _device_tokens(self, seqs: list[Seq], active: list[int], tokens):
+        """The real drafting ran on the device (its cost); its tokens are replaced by replayed
+        ones, drawn in the host path's order (proposal 1 of every sequence, then the rest)."""
+        k_max = tokens.shape[1]
+        first = [self._replay(seqs[i], 0) for i in active]
+        rest = [[self._replay(seqs[i], j) for j in range(1, k_max)] for i in active]
+        host = [[f, *r] for f, r in zip(first, rest, strict=True)]
+        return to_device(host, tokens.dtype, tokens.device)
 
     def _propose_window(self, seqs: list[Seq], active: list[int],
                         proposals: list[list[int]], num_steps: int) -> None:

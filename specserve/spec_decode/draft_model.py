@@ -27,6 +27,7 @@ from specserve.sample.sampler import probs_from_final_logits, sample
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.verifier import is_plain_greedy
 from specserve.worker.model_runner import ModelRunner, SequenceRun
+from specserve.worker.transfer import to_device
 
 
 class DraftModelProposer(Proposer):
@@ -48,6 +49,8 @@ class DraftModelProposer(Proposer):
         # on CUDA graphs each proposal feeds the next forward on the device and the k - 1
         # tokens are read back once, instead of one host round trip per proposal.
         self.multi_step = True
+        # ... and, where the engine verifies greedily, left on the device for verification.
+        self.device_proposals = True
 
     # ---- shadow sequences ------------------------------------------------------------------
     def _shadow(self, seq: Sequence) -> Sequence:
@@ -80,15 +83,18 @@ class DraftModelProposer(Proposer):
         return True
 
     # ---- proposing -------------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
+    def propose(self, seqs: list[Sequence], max_tokens: list[int],
+                on_device: bool = False) -> DraftProposals:
         # Plain greedy sequences propose the draft's argmax and are verified greedily, which
         # never reads q: no probabilities, and argmax ids instead of logits.
         greedy = all(is_plain_greedy(s.params) for s in seqs)
         # A greedy batch may draft proposals 2..k of every sequence in one window of the
         # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
-        window_k = max(max_tokens, default=0) if self.multi_step and greedy else 0
-        reserve = [window_k if window_k >= 3 and self._fits(seq, window_k) else k
-                   for seq, k in zip(seqs, max_tokens, strict=True)]
+        on_device = (on_device and self.device_proposals and greedy
+                     and not any(self.blocked_token_ids(s, 0) for s in seqs))
+        window_k = max(max_tokens, default=0) if (self.multi_step or on_device) and greedy else 0
+        reserve = [window_k if (window_k >= 3 or on_device) and self._fits(seq, window_k)
+                   else k for seq, k in zip(seqs, max_tokens, strict=True)]
         ks = [k if k > 0 and self._reserve(seq, r) else 0
               for seq, k, r in zip(seqs, max_tokens, reserve, strict=True)]
         k_max = max(ks, default=0)
@@ -96,6 +102,8 @@ class DraftModelProposer(Proposer):
         probs = None
         if k_max == 0:
             return DraftProposals(proposals, probs)
+        if on_device and all(k == 0 or r >= k_max for k, r in zip(ks, reserve, strict=True)):
+            return self._propose_on_device(seqs, ks, k_max)
         device = self.runner.device
         if not greedy:
             probs = torch.zeros(len(seqs), k_max, self.vocab_size, dtype=torch.float32,
@@ -128,6 +136,39 @@ class DraftModelProposer(Proposer):
                     del proposals[i][ks[i]:]  # a shorter k rode along in the window
                 break
         return DraftProposals(proposals, probs, catch_up)
+
+    def _propose_on_device(self, seqs: list[Sequence], ks: list[int],
+                           k_max: int) -> DraftProposals:
+        """Plain greedy, nothing blocked, KV slots for k_max everywhere: the catch-up forward
+        gives proposal 1, a window of k_max - 1 steps fed on the device gives the rest, and
+        nothing is read back: the verification pass takes them from the device and reads them
+        with its own result (one device->host read per speculative step instead of three)."""
+        active = [i for i, k in enumerate(ks) if k]
+        runs, catch_up = [], 0
+        for i in active:
+            shadow = self.shadows[seqs[i].seq_id]
+            tokens = seqs[i].token_ids[shadow.num_computed_tokens:]
+            catch_up += max(len(tokens) - 2, 0)
+            runs.append(SequenceRun(tokens, shadow.num_computed_tokens, shadow.block_table,
+                                    [len(tokens) - 1]))
+        first = self.runner.execute_argmax_device(runs)  # [A] proposal 1
+        steps = [first[None]]
+        if k_max > 1:
+            window = [SequenceRun([0], seqs[i].num_tokens, self.shadows[seqs[i].seq_id]
+                                  .block_table, [0]) for i in active]
+            steps.append(self.runner.execute_argmax_steps_device(window, k_max - 1, first))
+        tokens = self._device_tokens(seqs, active, torch.cat(steps).T)  # [A, k_max]
+        for i in active:
+            self.shadows[seqs[i].seq_id].num_computed_tokens = seqs[i].num_tokens + k_max - 1
+        device_tokens = tokens.new_zeros(len(seqs), k_max)  # [S, k_max]
+        device_tokens[to_device(active, torch.int64, tokens.device)] = tokens
+        placeholders = [[0] * k for k in ks]
+        return DraftProposals(placeholders, None, catch_up, device_tokens)
+
+    def _device_tokens(self, seqs: list[Sequence], active: list[int],
+                       tokens: torch.Tensor) -> torch.Tensor:
+        """The proposals [A, k_max] drafted on the device (a hook for the benchmark replay)."""
+        return tokens
 
     def _fits(self, seq: Sequence, k: int) -> bool:
         """k proposals stay within the speculative limit (the driver's rule for its own k:

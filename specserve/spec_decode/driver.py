@@ -18,6 +18,7 @@ from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.metrics import SpecDecodeMetrics
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
+from specserve.worker.transfer import to_device
 
 CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a typical step
 
@@ -65,9 +66,12 @@ class SpeculationDriver:
                 self.metrics.total.num_past_spec_max_len += 1
         return max(k, 0)
 
-    def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence]
-                ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Proposals per sampled sequence ([] for none) and their distributions ([S, K, V])."""
+    def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
+                on_device: bool = False
+                ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
+        """Proposals per sampled sequence ([] for none), their distributions ([S, K, V]) and,
+        when on_device allowed it (the step verifies greedily), the proposals still on the
+        device ([S, K]: the lists then hold placeholders of the right lengths)."""
         proposals: list[list[int]] = [[] for _ in sampled]
         decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
         seqs = [s.seq for _, s in decoding]
@@ -83,7 +87,7 @@ class SpeculationDriver:
             for seq in seqs:
                 self._resolve_shadow(seq)
         if not any(ks):
-            return proposals, None
+            return proposals, None, None
         if self.adaptive is not None:
             pinned = [seq.params.sampling_type is not SamplingType.GREEDY for seq in seqs]
             ids = [seq.seq_id for seq in seqs]
@@ -98,12 +102,12 @@ class SpeculationDriver:
                         # declined: scored later against the tokens that get committed
                         self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
                 self._step.num_proposals = sum(ks)
-                return proposals, None
+                return proposals, None, None
             ks = self.adaptive.plan(ids, ks, pinned=pinned, plan_first=True)
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
-                return proposals, None
-        out = self.proposer.propose(seqs, ks)
+                return proposals, None, None
+        out = self.proposer.propose(seqs, ks, on_device)
         draft_probs = None
         if out.probs is not None:
             draft_probs = out.probs.new_zeros(len(sampled), *out.probs.shape[1:])
@@ -111,6 +115,11 @@ class SpeculationDriver:
             draft_probs[index] = out.probs
         for (i, _), tokens, k in zip(decoding, out.token_ids, ks, strict=True):
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
+        pending = None
+        if out.device_tokens is not None:
+            pending = out.device_tokens.new_zeros(len(sampled), out.device_tokens.shape[1])
+            pending[to_device([i for i, _ in decoding], torch.int64,
+                              pending.device)] = out.device_tokens
         if self._step is not None:
             self._step.num_proposals = sum(len(p) for p in proposals)
             if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):
@@ -118,7 +127,7 @@ class SpeculationDriver:
                 # make this cap look dear while the sample lives. (Small catch-ups, after a
                 # step or two of plain decoding, are measured.)
                 self._step.pure = False
-        return proposals, draft_probs
+        return proposals, draft_probs, pending
 
     def _resolve_shadow(self, seq: Sequence) -> None:
         """Score a declined proposal once the committed tokens decide it: the acceptance a

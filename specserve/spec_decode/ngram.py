@@ -62,7 +62,8 @@ class NgramProposer(Proposer):
         self.n_min = prompt_lookup_min
         self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its index
 
-    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
+    def propose(self, seqs: list[Sequence], max_tokens: list[int],
+                on_device: bool = False) -> DraftProposals:
         out = []
         for seq, k in zip(seqs, max_tokens, strict=True):
             if k <= 0:

@@ -25,6 +25,10 @@ class DraftProposals:
     # prompt prefill, or catching up on steps it sat out. A one-time cost, not what a step
     # with these proposals costs from then on.
     num_catch_up_tokens: int = 0
+    # [S, K] int64: the proposals still on the device (row i's first len(token_ids[i])
+    # entries), when the caller allowed it; token_ids then hold placeholders of the right
+    # lengths until the verification step reads them back together with its own result.
+    device_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> list[int]:
@@ -38,8 +42,10 @@ class Proposer(ABC):
     has_probs: bool = False
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
-        """Up to max_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, is fine)."""
+    def propose(self, seqs: list[Sequence], max_tokens: list[int],
+                on_device: bool = False) -> DraftProposals:
+        """Up to max_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, is fine).
+        on_device: the proposals may stay on the device (DraftProposals.device_tokens)."""
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
                     num_accepted: int) -> None:

@@ -279,7 +279,8 @@ class SuffixProposer(Proposer):
         self._requests: dict[str, _RequestTree] = {}
         self._seqs: dict[int, _SeqState] = {}
 
-    def propose(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals:
+    def propose(self, seqs: list[Sequence], max_tokens: list[int],
+                on_device: bool = False) -> DraftProposals:
         out = []
         for seq, k in zip(seqs, max_tokens, strict=True):
             state = self._catch_up(seq)

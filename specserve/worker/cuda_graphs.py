@@ -289,24 +289,29 @@ class CudaGraphRunner:
         return meta
 
     # ---- running -----------------------------------------------------------------------------
-    def run(self, key: GraphKey, runs: Sequence[Run], argmax: bool = False) -> torch.Tensor:
+    def run(self, key: GraphKey, runs: Sequence[Run], argmax: bool = False,
+            fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Final hidden states [num_real_tokens, hidden] of the runs' tokens, in order; with
-        argmax=True the argmax of each token's logits instead ([num_real_tokens] int64)."""
+        argmax=True the argmax of each token's logits instead ([num_real_tokens] int64).
+        fed = (rows, tokens): input tokens at these packed rows are set on the device."""
         graphs, outputs = self._head(argmax)
         if self.capture and key not in graphs:
             self._capture(key, argmax)
         real = self.buffers.fill(key, runs, self.block_size)
+        if fed is not None:
+            self.buffers.views(key)[0][fed[0]] = fed[1]  # queued after the inputs' copy
         if not self.capture:
             return self._forward(key, argmax)[:real]
         graphs[key].replay()
         return outputs[key][:real]
 
-    def run_argmax_steps(self, key: GraphKey, runs: Sequence[Run],
-                         num_steps: int) -> torch.Tensor:
+    def run_argmax_steps(self, key: GraphKey, runs: Sequence[Run], num_steps: int,
+                         first: torch.Tensor | None = None) -> torch.Tensor:
         """num_steps greedy decode steps of one-token runs, each step's argmax fed back as
         the next step's token on the device; returns the tokens [num_steps, num_runs] on the
         device. No host sync inside: every copy and replay is queued on the current stream,
-        so the GPU runs the steps back to back while the host stages the next inputs."""
+        so the GPU runs the steps back to back while the host stages the next inputs.
+        first: the first step's tokens [num_runs] on the device (else the runs' own)."""
         assert key.query_len == 1
         graphs, outputs = self._head(True)
         if self.capture and key not in graphs:
@@ -318,6 +323,8 @@ class CudaGraphRunner:
                                                          num_steps)):
             if j:
                 ids[:real].copy_(tokens[j - 1])
+            elif first is not None:
+                ids[:real].copy_(first)
             if self.capture:
                 graphs[key].replay()
                 out = outputs[key]

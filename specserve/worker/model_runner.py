@@ -227,18 +227,31 @@ class ModelRunner:
         what greedy rows sample when no transform touches their logits. A graph step computes
         logits and argmax inside the graph, so only the token ids come back (the step's one
         device->host read)."""
+        return self.execute_argmax_device(runs).tolist()
+
+    @torch.inference_mode()
+    def execute_argmax_device(self, runs: list[SequenceRun],
+                              fed: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> torch.Tensor:
+        """execute_argmax without the read: the tokens [R] stay on the device (int64).
+
+        fed = (rows, tokens): the packed input tokens at these rows (of the runs' tokens, in
+        order) are replaced on the device before the forward; the runs hold placeholders
+        there. Why: a draft model's proposals are verified without first reading them back,
+        so a speculative step needs one device->host read, not three."""
         key = self.graphs.key_for(runs) if self.graphs is not None else None
         if key is None:
-            hidden, logit_rows = self._eager_hidden(runs)
+            input_ids, positions, meta, logit_rows = self._prepare(runs)
+            if fed is not None:
+                input_ids[fed[0]] = fed[1]
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
             if logit_rows is not None:
                 hidden = hidden[logit_rows]  # [R, hidden]
-            return fused_argmax.logits_argmax(self.model.compute_logits(hidden)).tolist()
-        tokens = self.graphs.run(key, runs, argmax=True).tolist()  # [T] real tokens
-        base, rows = 0, []
-        for run in runs:
-            rows.extend(tokens[base + o] for o in run.logit_offsets)
-            base += len(run.token_ids)
-        return rows
+            return fused_argmax.logits_argmax(self.model.compute_logits(hidden))  # [R]
+        tokens = self.graphs.run(key, runs, argmax=True, fed=fed)  # [T] real tokens
+        rows = self._logit_rows(runs)
+        return tokens if rows is None else tokens[rows]  # [R]
 
     @torch.inference_mode()
     def execute_argmax_steps(self, runs: list[SequenceRun], num_steps: int) -> list[list[int]]:
@@ -249,21 +262,29 @@ class ModelRunner:
 
         Why: at batch 1 a decode step's host work (scheduling, input building, output
         processing) leaves the GPU idle ~10 % of the time. Here the host enqueues all steps
-        and reads the tokens back once; on graphs the token feedback stays on the device.
-        Off graphs it is execute_argmax in a loop (one read per step)."""
+        and reads the tokens back once; on graphs the token feedback stays on the device."""
+        return self.execute_argmax_steps_device(runs, num_steps).T.tolist()
+
+    @torch.inference_mode()
+    def execute_argmax_steps_device(self, runs: list[SequenceRun], num_steps: int,
+                                    first: torch.Tensor | None = None) -> torch.Tensor:
+        """execute_argmax_steps without the read: tokens [num_steps, len(runs)] on the device.
+        first: the first step's input tokens [len(runs)] on the device (the runs' own tokens
+        are placeholders then), e.g. a draft's first proposal, never read back."""
         assert num_steps >= 1 and all(len(r.token_ids) == 1 == len(r.logit_offsets)
                                       for r in runs)
         key = self.graphs.key_for(runs) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run_argmax_steps(key, runs, num_steps).T.tolist()
-        steps: list[list[int]] = []
-        current = runs
-        for j in range(num_steps):
-            tokens = self.execute_argmax(current)  # [len(runs)]
-            steps.append(tokens)
-            current = [SequenceRun([t], r.start + j + 1, r.block_table, [0])
-                       for t, r in zip(tokens, runs, strict=True)]
-        return [list(seq_tokens) for seq_tokens in zip(*steps, strict=True)]
+            return self.graphs.run_argmax_steps(key, runs, num_steps, first=first)
+        rows = torch.arange(len(runs), device=self.device)
+        steps: list[torch.Tensor] = []
+        fed = None if first is None else (rows, first)
+        for j in range(num_steps):  # off graphs: one forward per step, fed on the device
+            current = [SequenceRun([0 if fed is not None else r.token_ids[0]], r.start + j,
+                                   r.block_table, [0]) for r in runs]
+            steps.append(self.execute_argmax_device(current, fed))  # [len(runs)]
+            fed = (rows, steps[-1])
+        return torch.stack(steps)  # [num_steps, len(runs)]
 
     def _eager_hidden(self, runs: list[SequenceRun]):
         input_ids, positions, meta, logit_rows = self._prepare(runs)
