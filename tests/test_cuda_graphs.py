@@ -212,6 +212,35 @@ def test_padded_multi_step_feeds_tokens_back(tiny_llama, triton_backend, single_
     assert runner.graphs.key_for(runs) == GraphKey(2, 1)
     assert runner.execute_argmax_steps(runs, 6) == eager
     assert runner.execute_argmax_steps(runs[:1], 6) == eager[:1]  # a padded bucket of 1
+    # The first step's tokens given on the device (the runs hold placeholders): the same.
+    blank = [SequenceRun([0], r.start, r.block_table, [0]) for r in runs]
+    first = torch.tensor([1, 2])
+    assert runner.execute_argmax_steps_device(blank, 6, first).T.tolist() == eager
+
+
+@needs_interpreter
+def test_padded_pass_takes_tokens_fed_on_the_device(tiny_llama, triton_backend, single_thread):
+    """execute_argmax_device(fed=...): input tokens at the given packed rows are set on the
+    device after the host's inputs are sent (a draft's proposals, never read back), in the
+    eager and in the padded graph path alike."""
+    from helpers import cpu_runner
+
+    runner = cpu_runner(tiny_llama, BLOCK, 32)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    tables = [[3, 4, 5, 6], [8, 9, 10]]
+    _prefill(runner, prompts, tables)
+    runs = [SequenceRun([1, 30, 31], 6, tables[0], [0, 1, 2]),
+            SequenceRun([2, 40], 3, tables[1], [0, 1])]
+    blank = [SequenceRun([1, 0, 0], 6, tables[0], [0, 1, 2]),
+             SequenceRun([2, 0], 3, tables[1], [0, 1])]
+    fed = (torch.tensor([1, 2, 4]), torch.tensor([30, 31, 40]))  # packed rows of the zeros
+    want = runner.execute_argmax(runs)
+    assert runner.execute_argmax_device(blank, fed).tolist() == want
+    assert runner.execute_argmax_device(blank).tolist() != want  # the placeholders matter
+    assert runner.enable_cuda_graphs(max_batch=4, max_query_len=3, max_model_len=64,
+                                     capture=False)
+    assert runner.graphs.key_for(blank) == GraphKey(2, 3)
+    assert runner.execute_argmax_device(blank, fed).tolist() == want
 
 
 def test_in_fresh_interpreter_process():
