@@ -171,6 +171,9 @@ class _StaticBuffers:
         # The last copy out of host_bytes: the host must not overwrite bytes still in flight.
         self.sent = torch.cuda.Event() if self.pinned else None
         self.steps_host: torch.Tensor | None = None  # fill_steps' staging, grown on demand
+        # ... and out of steps_host. Two events: a fill() right after a window (a draft's
+        # proposals verified without a read) must not wait for the whole window to run.
+        self.steps_sent = torch.cuda.Event() if self.pinned else None
 
     def _sizes(self, key: GraphKey) -> tuple[int, int]:
         """(bytes of the int64 part, entries of the int32 part) of the bucket."""
@@ -202,15 +205,15 @@ class _StaticBuffers:
         caller feeds them on the device). Each step's bytes go through their own slice of a
         pinned staging area, so the host can write step j + 1 while step j's copy is still
         in flight; the copies are ordered with the graph replays on the current stream."""
-        if self.sent is not None:
-            self.sent.synchronize()
+        if self.steps_sent is not None:
+            self.steps_sent.synchronize()
         step_bytes = self.host_bytes.numel()
         staging = self._staging(num_steps * step_bytes)
         for j in range(num_steps):
             shifted = [_Shifted(r.start + j, r.block_table) for r in runs] if j else runs
             yield self._send(key, shifted, block_size, staging[j * step_bytes :])
-        if self.sent is not None:
-            self.sent.record()
+        if self.steps_sent is not None:
+            self.steps_sent.record()
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self.steps_host is None or self.steps_host.numel() < nbytes:
