@@ -82,13 +82,13 @@ def test_execute_argmax_equals_argmax_of_execute(tiny_llama):
 
 def _count_fast_steps(monkeypatch) -> list[int]:
     calls: list[int] = []
-    original = ModelRunner.execute_argmax
+    original = ModelRunner.execute_argmax_device  # every argmax pass goes through it
 
-    def spy(self, runs):
+    def spy(self, runs, *a, **kw):
         calls.append(len(runs))
-        return original(self, runs)
+        return original(self, runs, *a, **kw)
 
-    monkeypatch.setattr(ModelRunner, "execute_argmax", spy)
+    monkeypatch.setattr(ModelRunner, "execute_argmax_device", spy)
     return calls
 
 
@@ -124,8 +124,8 @@ def test_speculative_greedy_unchanged_by_fast_path(tiny_llama, tiny_llama_draft,
     calls = _count_fast_steps(monkeypatch)
     draft_probs = []
     propose = engine.speculation.proposer.propose
-    monkeypatch.setattr(engine.speculation.proposer, "propose", lambda seqs, ks: (
-        out := propose(seqs, ks), draft_probs.append(out.probs))[0])
+    monkeypatch.setattr(engine.speculation.proposer, "propose", lambda seqs, ks, dev=False: (
+        out := propose(seqs, ks, dev), draft_probs.append(out.probs))[0])
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == reference
     # target verify steps and draft steps both read argmax ids; greedy drafts keep no q

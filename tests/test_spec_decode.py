@@ -223,10 +223,11 @@ def test_verification_is_one_target_pass(tiny_llama, test_prompts, monkeypatch):
                    speculative_adaptive=False)
     engine = llm.llm_engine
     calls = []
-    for name in ("execute", "execute_argmax"):  # logits, or argmax ids (greedy fast path)
+    # logits, or argmax ids (the greedy fast path; proposals may be fed on the device)
+    for name in ("execute", "execute_argmax_device"):
         original = getattr(engine.runner, name)
-        monkeypatch.setattr(engine.runner, name, lambda runs, original=original: calls.append(
-            [len(r.token_ids) for r in runs]) or original(runs))
+        monkeypatch.setattr(engine.runner, name, lambda runs, *a, original=original, **kw: (
+            calls.append([len(r.token_ids) for r in runs]) or original(runs, *a, **kw)))
     steps = 0
     for i, prompt in enumerate(test_prompts[:4]):
         engine.add_request(str(i), prompt, _greedy(9))
@@ -246,16 +247,16 @@ def test_verification_mixed_with_prefill_chunks(tiny_llama, tiny_llama_draft, ll
     mixed_steps = 0
 
     def spy(original):
-        def run(runs):
+        def run(runs, *a, **kw):
             nonlocal mixed_steps
             kinds = {len(r.logit_offsets) > 1 and r.start > 0 for r in runs}
             mixed_steps += any(len(r.token_ids) > 4 for r in runs) and True in kinds
-            return original(runs)
+            return original(runs, *a, **kw)
         return run
 
-    # logits, or argmax ids (the greedy fast path)
+    # logits, or argmax ids (the greedy fast path; proposals may be fed on the device)
     engine.runner.execute = spy(engine.runner.execute)
-    engine.runner.execute_argmax = spy(engine.runner.execute_argmax)
+    engine.runner.execute_argmax_device = spy(engine.runner.execute_argmax_device)
     outs = llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)
     assert _tokens(outs) == llama_reference
     assert mixed_steps > 0
