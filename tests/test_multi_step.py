@@ -151,26 +151,34 @@ def _draft_llm(tiny_llama, tiny_llama_draft, mode: str, monkeypatch, log: list):
     return llm
 
 
+def _draft_every_mode(tiny_llama, tiny_llama_draft, prompts, monkeypatch):
+    """Generate greedily in every drafting mode; each must give plain greedy's output and
+    use device proposals exactly in "device" mode. Returns, per mode, (the proposals of every
+    verified step, the window lengths run)."""
+    want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
+    results = {}
+    for mode in DRAFT_MODES:
+        log: list = []
+        llm = _draft_llm(tiny_llama, tiny_llama_draft, mode, monkeypatch, log)
+        sizes = _windows(monkeypatch)
+        assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+        assert bool(llm.device_steps) == (mode == "device")
+        results[mode] = (log, list(sizes))  # later modes wrap this spy again
+    return results
+
+
 def test_greedy_draft_proposes_in_one_window(tiny_llama, tiny_llama_draft, test_prompts,
                                              monkeypatch):
     """A plain greedy batch with a fixed k drafts proposals 2..k in one multi-step window,
     with or without reading them back before verification: the proposals (and so the
     output) are those of k single draft steps."""
-    prompts = test_prompts[:4]
-    want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
-    proposed: dict[str, list] = {}
-    for mode in DRAFT_MODES:
-        log = proposed[mode] = []
-        llm = _draft_llm(tiny_llama, tiny_llama_draft, mode, monkeypatch, log)
-        sizes = _windows(monkeypatch)
-        assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
-        assert bool(llm.device_steps) == (mode == "device")
-        if mode == "stepwise":
-            assert not sizes
-        else:  # proposals 2..4 of every drafting step (fewer near the end: max_tokens caps k)
-            assert sizes and max(sizes) == 3 and min(sizes) >= 1
-    assert proposed["stepwise"] == proposed["window"] == proposed["device"]
-    assert sum(map(len, proposed["device"][1])) > 0
+    results = _draft_every_mode(tiny_llama, tiny_llama_draft, test_prompts[:4], monkeypatch)
+    assert not results["stepwise"][1]
+    for mode in ("window", "device"):  # proposals 2..4 per drafting step (max_tokens caps k)
+        sizes = results[mode][1]
+        assert sizes and max(sizes) == 3 and min(sizes) >= 1
+    assert results["stepwise"][0] == results["window"][0] == results["device"][0]
+    assert sum(map(len, results["device"][0][1])) > 0
 
 
 def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_prompts,
@@ -183,15 +191,10 @@ def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_pro
     limit = SpeculationDriver._limit
     monkeypatch.setattr(SpeculationDriver, "_limit", lambda self, s, b: min(
         limit(self, s, b), 1 + s.seq.seq_id % 4))
-    prompts = test_prompts[:4]
-    want = _summary(tiny_llm(tiny_llama).generate(prompts, GREEDY, use_tqdm=False))
-    proposed: dict[str, list] = {}
-    for mode in DRAFT_MODES:
-        log = proposed[mode] = []
-        llm = _draft_llm(tiny_llama, tiny_llama_draft, mode, monkeypatch, log)
-        sizes = _windows(monkeypatch)
-        assert _summary(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
-        if mode != "stepwise":
-            assert sizes and max(sizes) == 3  # one window per drafting step, the longest k
-    assert proposed["stepwise"] == proposed["window"] == proposed["device"]
-    assert any(len({len(p) for p in step} - {0}) > 1 for step in proposed["device"])  # mixed
+    results = _draft_every_mode(tiny_llama, tiny_llama_draft, test_prompts[:4], monkeypatch)
+    for mode in ("window", "device"):
+        sizes = results[mode][1]
+        assert sizes and max(sizes) == 3  # one window per drafting step, the longest k
+    device = results["device"][0]
+    assert results["stepwise"][0] == results["window"][0] == device
+    assert any(len({len(p) for p in step} - {0}) > 1 for step in device)  # mixed k ran
