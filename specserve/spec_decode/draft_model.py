@@ -8,7 +8,9 @@ target's token list but has its own block table and computed-token count. Each s
    for a new sequence; after a step the last accepted proposal and the bonus/recovered token),
    and samples proposal 1 from the draft's processed distribution;
 2. k - 1 more single-token forwards, batched across sequences, sample proposals 2..k (for
-   plain greedy batches one multi-step window: the tokens are fed back on the device).
+   plain greedy batches one multi-step window: the tokens are fed back on the device; when the
+   engine verifies greedily they are not even read back: the verification pass takes them
+   from the device, and one read returns proposals and verdicts).
 
 After verification the shadow is rolled back to the accepted length; when all k were accepted
 the catch-up in the next step's first forward covers the bonus token, so no extra pass is run.
@@ -88,10 +90,10 @@ class DraftModelProposer(Proposer):
         # Plain greedy sequences propose the draft's argmax and are verified greedily, which
         # never reads q: no probabilities, and argmax ids instead of logits.
         greedy = all(is_plain_greedy(s.params) for s in seqs)
-        # A greedy batch may draft proposals 2..k of every sequence in one window of the
-        # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
         on_device = (on_device and self.device_proposals and greedy
                      and not any(self.blocked_token_ids(s, 0) for s in seqs))
+        # A greedy batch may draft proposals 2..k of every sequence in one window of the
+        # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
         window_k = max(max_tokens, default=0) if (self.multi_step or on_device) and greedy else 0
         reserve = [window_k if (window_k >= 3 or on_device) and self._fits(seq, window_k)
                    else k for seq, k in zip(seqs, max_tokens, strict=True)]
@@ -102,7 +104,7 @@ class DraftModelProposer(Proposer):
         probs = None
         if k_max == 0:
             return DraftProposals(proposals, probs)
-        if on_device and all(k == 0 or r >= k_max for k, r in zip(ks, reserve, strict=True)):
+        if on_device and _reserved_for(ks, reserve, k_max):
             return self._propose_on_device(seqs, ks, k_max)
         device = self.runner.device
         if not greedy:
@@ -181,8 +183,7 @@ class DraftModelProposer(Proposer):
         step is blocked either), at least two more proposals are wanted, and every proposing
         sequence has KV slots for k_max proposals (a sequence wanting fewer rides along: the
         window costs the same for the batch, and its extra tokens are cut)."""
-        return self.multi_step and k_max >= 3 and all(
-            k == 0 or r >= k_max for k, r in zip(ks, reserved, strict=True))
+        return self.multi_step and k_max >= 3 and _reserved_for(ks, reserved, k_max)
 
     def _propose_window(self, seqs: list[Sequence], active: list[int],
                         proposals: list[list[int]], num_steps: int) -> None:
@@ -228,3 +229,8 @@ class DraftModelProposer(Proposer):
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, valid)
         self.block_manager.rollback(shadow, shadow.num_computed_tokens)
         self.block_manager.register_computed_blocks(shadow)
+
+
+def _reserved_for(ks: list[int], reserved: list[int], k_max: int) -> bool:
+    """Every proposing sequence has KV slots for k_max proposals (a window of k_max fits)."""
+    return all(k == 0 or r >= k_max for k, r in zip(ks, reserved, strict=True))
