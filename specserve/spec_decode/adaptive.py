@@ -35,8 +35,9 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   min(cap, its own k), at least one.
 
 For draft-free methods, each step the candidate proposals are sorted by that gain (most likely
-accepted first) and the policy keeps the prefix with the highest predicted tokens/second, none if plain decoding is
-predicted faster. ``speculative_disable_by_batch_size`` still applies first, as a hard limit.
+accepted first) and the policy keeps the prefix with the highest predicted tokens/second, none
+if plain decoding is predicted faster. ``speculative_disable_by_batch_size`` still applies
+first, as a hard limit.
 
 Sampled requests are *pinned*: with rejection sampling the token at a position depends on
 whether it was a proposal or a bonus position, so a sampled request's output is reproducible
@@ -198,10 +199,8 @@ def _cost_table(points: list[tuple[float, float]], max_p: int,
 
     Past the largest measured p it is the last measured ratio: a lower bound (a step never gets
     cheaper with more proposals), so a larger p is tried whenever it could pay and is measured
-    by trying it. Optimism is what makes a draft model ever start at a large batch: its pass is
-    a fixed cost per step that only many proposals amortize, so extending the first point's
-    slope would never get there. One vectorized pass (the planner reads every p up to the
-    batch's candidates each step: a search per p cost ~0.25 ms per step at batch 32)."""
+    by trying it. One vectorized pass (the planner reads every p up to the batch's candidates
+    each step: a search per p cost ~0.25 ms per step at batch 32)."""
     xs, ys = zip(*points, strict=True)
     table = np.interp(np.arange(max_p + 1), xs, ys) + penalty  # clamps past the last point
     table[0] = 1.0
