@@ -84,12 +84,11 @@ class CapCosts:
             return s / SWITCH_MARGIN if (c > 0) != (current > 0) else s
 
         best = max(speedups, key=score)
-        choice = self._explore(step, batch_size, best, max_k, set(speedups))
+        choice = self._explore(step, batch_size, best, max_k)
         self.current[bucket] = choice
         return choice
 
-    def _explore(self, step: int, batch_size: int, best: int, max_k: int,
-                 measured: set[int]) -> int:
+    def _explore(self, step: int, batch_size: int, best: int, max_k: int) -> int:
         """An under-measured neighbour of the best cap (or the largest cap, while plain
         decoding is best), else the best."""
         for c in (best + 1, best - 1) + ((max_k,) if best == 0 else ()):

@@ -241,11 +241,7 @@ class ModelRunner:
         so a speculative step needs one device->host read, not three."""
         key = self.graphs.key_for(runs) if self.graphs is not None else None
         if key is None:
-            input_ids, positions, meta, logit_rows = self._prepare(runs)
-            if fed is not None:
-                input_ids[fed[0]] = fed[1]
-            self.backend.prepare(meta)
-            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+            hidden, logit_rows = self._eager_hidden(runs, fed)
             if logit_rows is not None:
                 hidden = hidden[logit_rows]  # [R, hidden]
             return fused_argmax.logits_argmax(self.model.compute_logits(hidden))  # [R]
@@ -286,8 +282,11 @@ class ModelRunner:
             fed = (rows, steps[-1])
         return torch.stack(steps)  # [num_steps, len(runs)]
 
-    def _eager_hidden(self, runs: list[SequenceRun]):
+    def _eager_hidden(self, runs: list[SequenceRun],
+                      fed: tuple[torch.Tensor, torch.Tensor] | None = None):
         input_ids, positions, meta, logit_rows = self._prepare(runs)
+        if fed is not None:
+            input_ids[fed[0]] = fed[1]  # tokens given on the device (execute_argmax_device)
         self.backend.prepare(meta)
         return self.model(input_ids, positions, meta), logit_rows  # [T, hidden]
 
