@@ -36,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
+sys.path.append(str(REPO / "benchmarks"))
+from bench_gpu_spec import cuda_time  # noqa: E402  (median CUDA-event time, as the benchmark)
+
 from specserve.model.layers import fused_argmax, fused_mlp, triton_ops  # noqa: E402
 from specserve.model.layers.attention import triton_backend  # noqa: E402
 from specserve.model.layers.attention.metadata import AttentionMetadata  # noqa: E402
@@ -66,22 +69,6 @@ LINES: list[str] = []
 def say(msg: str = "") -> None:
     print(msg, flush=True)
     LINES.append(msg)
-
-
-def cuda_time(fn, reps: int, warmup: int = 3) -> float:
-    """Median seconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
