@@ -341,8 +341,12 @@ _TOP_HF_TO_GGUF = {
 }
 
 
-def _write_gguf(path: Path, arch: str, model, dtype=np.float32) -> Path:
-    """Write ``model`` as llama.cpp would (names, Q/K permutation for llama, omitted tied head)."""
+def _write_gguf(path: Path, arch: str, model, dtype=np.float32,
+                matrix_type: QT | None = None, embedding_type: QT | None = None) -> Path:
+    """Write ``model`` as llama.cpp would (names, Q/K permutation for llama, omitted tied head).
+
+    ``matrix_type`` quantizes the layers' 2-D weights (and an untied head), ``embedding_type``
+    the token embedding, with gguf's own quantizer."""
     cfg = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -367,6 +371,10 @@ def _write_gguf(path: Path, arch: str, model, dtype=np.float32) -> Path:
                 w = _llama_cpp_permute(w, heads)
         else:
             gguf_name = _TOP_HF_TO_GGUF[name]
+        qtype = embedding_type if gguf_name == "token_embd.weight" else matrix_type
+        if w.ndim == 2 and qtype is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(w if w.ndim == 1 else w.astype(dtype)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -386,6 +394,34 @@ def test_synthetic_llama_gguf_unpermutes_qk(tmp_path, tied):
     _assert_same_tensors(ours, ref)
     rebuilt = LlamaForCausalLM(config)
     rebuilt.load_state_dict(ours, strict=not tied)  # names and shapes fit the HF module
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_blocks_equal_the_dequantized_model(tmp_path, tied):
+    """A Q4_1 / Q8_0 GGUF on the CPU keeps its blocks by default (quantization/gguf_blocks.py):
+    every projection, including fused q/k/v with un-permuted Q/K rows and the (tied) head, must
+    compute what its dequantized float32 weight computes, through the kernel at a few rows and
+    the dense weight at many."""
+    from specserve.model.layers import cpu_kernels
+    from specserve.model.layers.quantization.gguf_blocks import MAX_KERNEL_ROWS, GGUFBlockLinear
+    from specserve.worker.loading import load_model
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels did not build")
+    model = _random_llama(tie_word_embeddings=tied)
+    path = _write_gguf(tmp_path / "q.gguf", "llama", model, matrix_type=QT.Q4_1,
+                       embedding_type=QT.Q8_0)
+    ours = load_model(None, torch.float32, torch.device("cpu"), source=resolve_model(str(path)))
+    blocks = {n: m for n, m in ours.model.named_modules() if isinstance(m, GGUFBlockLinear)}
+    assert len(blocks) == TINY["num_hidden_layers"] * 4 + 1
+    assert blocks["lm_head"].format_name == ("Q8_0" if tied else "Q4_1")
+    gen = torch.Generator().manual_seed(0)
+    for name, module in blocks.items():
+        for rows in (1, 3, MAX_KERNEL_ROWS + 4):
+            x = torch.randn(rows, module.in_features, generator=gen)
+            ref = x.double() @ module.weight.double().t()  # the dequantized weight
+            scale = x.abs().double() @ module.weight.abs().double().t()
+            assert ((module(x).double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), (name, rows)
 
 
 def test_synthetic_qwen2_gguf_has_biases_and_no_permutation(tmp_path):

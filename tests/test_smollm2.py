@@ -40,6 +40,18 @@ def test_default_model_is_smollm2(smol_llm, smollm2_gguf):
     assert engine.vocab_size == 49152
 
 
+def test_gguf_blocks_are_used_by_default(smol_llm):
+    """Every projection reads the file's Q4_1 (layers) or Q8_0 (tied head) blocks, so the
+    transformers comparisons below check the block kernels, not the dense float32 path."""
+    from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
+
+    model = smol_llm.llm_engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
+    assert len(layers) == 30 * 4 + 1
+    assert {m.format_name for m in layers} == {"Q4_1", "Q8_0"}
+    assert model.lm_head.format_name == "Q8_0"
+
+
 def test_chat_greedy_equals_transformers(smol_llm, smol_hf):
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

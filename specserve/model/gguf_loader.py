@@ -336,6 +336,50 @@ def dequantize_tensor(gf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
 
 
+# block types the CPU kernels read as they are (layers/quantization/gguf_blocks.py)
+KERNEL_BLOCK_TYPES = {GGMLQuantizationType.Q4_1: "Q4_1", GGMLQuantizationType.Q8_0: "Q8_0"}
+
+
+def linear_blocks(path: str | Path, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Raw GGUF blocks for each ``nn.Linear`` of ``model`` stored in a kernel block type.
+
+    Returns ``{module path: (blocks [out, in / 32 * block bytes] uint8, type name)}``. A fused
+    projection (``qkv_proj``) gets its parts' rows concatenated in the model's packed order, so
+    all parts must share one type; the tied ``lm_head`` reads the embedding's blocks. Q/K rows get
+    the same un-interleave as their dequantized weights (a row permutation: blocks stay whole)."""
+    gf = read_gguf(path)
+    arch = gguf_arch(gf)
+    heads = gf.arch_key("attention.head_count")
+    kv_heads = gf.arch_key("attention.head_count_kv", heads)
+    by_hf_name = {gguf_to_hf_name(info.name): info for info in gf.tensors.values()}
+    if "lm_head.weight" not in by_hf_name and "model.embed_tokens.weight" in by_hf_name:
+        by_hf_name["lm_head.weight"] = by_hf_name["model.embed_tokens.weight"]  # tied
+    packed = getattr(model, "packed_modules", {})
+    found: dict[str, tuple[torch.Tensor, str]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{p}" if prefix else p for p in packed.get(leaf, [leaf])]
+        infos = [by_hf_name.get(f"{part}.weight") for part in parts]
+        if any(info is None for info in infos) or len({i.ggml_type for i in infos}) != 1:
+            continue
+        type_name = KERNEL_BLOCK_TYPES.get(GGMLQuantizationType(infos[0].ggml_type))
+        if type_name is None:
+            continue
+        rows = []
+        for info in infos:
+            raw = torch.from_numpy(gf.data[info.offset : info.offset + info.nbytes].copy())
+            raw = raw.reshape(info.shape[0], -1)  # [out, in / 32 * block bytes]
+            if arch.permute_qk and ".attn_q." in info.name:
+                raw = unpermute_qk(raw, heads)
+            elif arch.permute_qk and ".attn_k." in info.name:
+                raw = unpermute_qk(raw, kv_heads)
+            rows.append(raw)
+        found[name] = (torch.cat(rows).contiguous(), type_name)
+    return found
+
+
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row interleave (``convert_hf_to_gguf.LlamaModel.permute``).
 

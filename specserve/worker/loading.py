@@ -10,7 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM
-from specserve.model.layers.quantization import get_quantization_method, quantize_model
+from specserve.model.layers.quantization import get_quantization_method, gguf_blocks, quantize_model
+from specserve.model.layers.quantization.gguf_blocks import GGUFBlocks
 from specserve.model.layers.weight_layout import store_linear_weights_input_major
 from specserve.model.loader import ModelSource, iter_weights, load_hf_config, resolve_model
 from specserve.model.registry import build_model
@@ -31,6 +32,14 @@ class LoadedModel:
                    or getattr(cfg, "max_sequence_length", None) or 2048)
 
 
+def uses_gguf_blocks_by_default(source: ModelSource, dtype: torch.dtype,
+                                device: torch.device) -> bool:
+    """A float32 GGUF model on the CPU keeps its file's blocks (see gguf_blocks: same results,
+    far fewer bytes per decode step) unless SPECSERVE_GGUF_KERNELS=0."""
+    return (source.is_gguf and device.type == "cpu" and dtype == torch.float32
+            and gguf_blocks.default_enabled())
+
+
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
                source: ModelSource | None = None,
                hf_config: PretrainedConfig | None = None,
@@ -39,8 +48,10 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
     source = source or resolve_model(name)
     hf_config = hf_config or load_hf_config(source)
     model = build_model(hf_config, iter_weights(source), dtype, device)
+    if quantization is None and uses_gguf_blocks_by_default(source, dtype, device):
+        quantization = GGUFBlocks.name
     if quantization is not None:
-        quantize_model(model, get_quantization_method(quantization), device)
+        quantize_model(model, get_quantization_method(quantization), device, source)
     if device.type == "cpu":
         store_linear_weights_input_major(model)  # MKL's fast layout for multi-row matmuls
     logger.info("loaded %s (%s) in %.2fs", source.name, type(model).__name__,

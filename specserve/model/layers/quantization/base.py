@@ -53,15 +53,22 @@ class QuantizationMethod(ABC):
                 f"quantization={self.name!r} is not available on {device.type} (its kernels run "
                 f"on: {', '.join(sorted(self.devices))}). Leave quantization unset there.")
 
+    def bind(self, model: nn.Module, source) -> None:
+        """Called once before any ``quantize_linear``, with the model and the ``ModelSource`` it
+        was loaded from: a method that reads the checkpoint itself (``gguf``) looks there."""
+        del model, source  # most methods need only the float weights
+
     @abstractmethod
-    def quantize_linear(self, linear: nn.Linear, role: str) -> nn.Module | None:
-        """A replacement module for ``linear``, or None to keep it as it is (e.g. a shape the
-        kernel cannot take)."""
+    def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
+        """A replacement module for ``linear`` (module path ``name`` in the model), or None to
+        keep it as it is (e.g. a shape the kernel cannot take)."""
 
 
-def quantize_model(model: nn.Module, method: QuantizationMethod, device: torch.device) -> int:
+def quantize_model(model: nn.Module, method: QuantizationMethod, device: torch.device,
+                   source=None) -> int:
     """Replace the model's linear layers in place; returns how many were quantized."""
     method.check_device(device)
+    method.bind(model, source)
     replaced = kept = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -69,7 +76,7 @@ def quantize_model(model: nn.Module, method: QuantizationMethod, device: torch.d
                 continue
             full_name = f"{parent_name}.{child_name}" if parent_name else child_name
             role = LM_HEAD_ROLE if full_name == "lm_head" else DECODER_ROLE
-            new = method.quantize_linear(child, role)
+            new = method.quantize_linear(child, role, full_name)
             if new is None:
                 kept += 1
                 continue

@@ -56,7 +56,7 @@ class Int4WeightOnly(QuantizationMethod):
                    "8-bit output projection, bfloat16 activations; CPU")
     devices = frozenset({"cpu"})
 
-    def quantize_linear(self, linear: nn.Linear, role: str) -> nn.Module | None:
+    def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
         if role == LM_HEAD_ROLE:
             return Int8WeightOnlyLinear(linear)
         n, k = linear.weight.shape

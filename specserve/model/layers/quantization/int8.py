@@ -73,5 +73,5 @@ class DynamicInt8(QuantizationMethod):
                                   "token (integer matmul); CPU")
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
 
-    def quantize_linear(self, linear: nn.Linear, role: str) -> nn.Module | None:
+    def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
         return DynamicInt8Linear(linear)

@@ -1,0 +1,190 @@
+// y = x @ W^T where W is kept in a GGUF block format (Q4_1 or Q8_0) and x is float32.
+//
+// Why this exists: a GGUF checkpoint stores SmolLM2's matrices as 4-bit Q4_1 blocks (5 bits per
+// weight with the block's scale and minimum); dequantized to float32 the same weights are 6.4x the
+// bytes, and batch-1 decoding on a CPU is bound by the bytes of weights it reads. Here each block
+// is decoded in registers right before its multiply-adds, into exactly the float32 value the
+// dequantizer gives (d * q + m rounded once; d and m are float16, q has 4 or 8 bits, so d * q is
+// exact in float32), and every product and sum is float32. The result therefore equals the dense
+// float32 matmul of the dequantized weights up to summation order, like any two GEMM kernels.
+//
+// Layout: W is [N, K / 32 blocks] of raw GGUF blocks, row-major, exactly as the file stores them.
+//   Q4_1 block (20 bytes): f16 d, f16 m, 16 bytes; value j = d * (byte[j] & 15) + m for j < 16,
+//                          d * (byte[j - 16] >> 4) + m for j >= 16.
+//   Q8_0 block (34 bytes): f16 d, 32 x int8; value j = d * q[j].
+// Rows of x are processed in tiles of up to 8 so that each decoded block serves all of them.
+
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+constexpr int kBlock = 32;
+constexpr int kTile = 4;  // rows of x sharing one decode of a block
+constexpr int64_t kPanel = 32;  // weight rows kept in cache while all rows of x pass
+
+static inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline float hsum(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// 16 bytes -> 16 int32 lanes. GCC lowers __builtin_convertvector on bytes to scalar inserts, so
+// the AVX-512 build says what it means.
+static inline i32x16 widen_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<i32x16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  u8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(b, i32x16);
+#endif
+}
+
+static inline i32x16 widen_i8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<i32x16>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  i8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(b, i32x16);
+#endif
+}
+
+struct Q41 {
+  static constexpr int kBytes = 20;
+  // The block's 32 float32 values as two vectors (elements 0..15, 16..31).
+  static inline void decode(const uint8_t* block, f32x16& lo, f32x16& hi) {
+    uint16_t dh, mh;
+    std::memcpy(&dh, block, 2);
+    std::memcpy(&mh, block + 2, 2);
+    const float d = half_to_float(dh), m = half_to_float(mh);
+    const i32x16 wide = widen_u8(block + 4);
+    const f32x16 qlo = __builtin_convertvector(wide & 15, f32x16);
+    const f32x16 qhi = __builtin_convertvector(wide >> 4, f32x16);
+    lo = qlo * d + m;  // contracted to one FMA: the exact d * q plus m, rounded once
+    hi = qhi * d + m;
+  }
+};
+
+struct Q80 {
+  static constexpr int kBytes = 34;
+  static inline void decode(const uint8_t* block, f32x16& lo, f32x16& hi) {
+    uint16_t dh;
+    std::memcpy(&dh, block, 2);
+    const float d = half_to_float(dh);
+    lo = __builtin_convertvector(widen_i8(block + 2), f32x16) * d;  // exact: 11 x 8 bits
+    hi = __builtin_convertvector(widen_i8(block + 18), f32x16) * d;
+  }
+};
+
+// Rows rows of x times Cols consecutive weight rows. Cols > 1 gives the FMA chains independent
+// accumulators and reuses each load of x; Rows > 1 reuses each decoded block.
+template <typename Format, int Rows, int Cols>
+static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                        int64_t blocks, float* y, int64_t ldy) {
+  f32x16 acc_lo[Rows][Cols], acc_hi[Rows][Cols];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) acc_lo[r][c] = acc_hi[r][c] = f32x16{};
+  for (int64_t g = 0; g < blocks; ++g) {
+    f32x16 lo[Cols], hi[Cols];
+    for (int c = 0; c < Cols; ++c) Format::decode(w + c * row_bytes + g * Format::kBytes, lo[c], hi[c]);
+    const float* xg = x + g * kBlock;
+    for (int r = 0; r < Rows; ++r) {
+      const f32x16 xlo = load16(xg + r * ldx), xhi = load16(xg + r * ldx + 16);
+      for (int c = 0; c < Cols; ++c) {
+        acc_lo[r][c] += xlo * lo[c];
+        acc_hi[r][c] += xhi * hi[c];
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) y[r * ldy + c] = hsum(acc_lo[r][c] + acc_hi[r][c]);
+}
+
+// Output features [n0, n1) for rows [r0, r0 + Rows) of x: groups of Cols weight rows, then the tail.
+template <typename Format, int Rows, int Cols>
+static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                       int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
+  int64_t i = n0;
+  for (; i + Cols <= n1; i += Cols)
+    tile<Format, Rows, Cols>(x, k, w + i * row_bytes, row_bytes, blocks, y + i, n);
+  for (; i < n1; ++i) tile<Format, Rows, 1>(x, k, w + i * row_bytes, row_bytes, blocks, y + i, n);
+}
+
+// Up to 4 rows of x at a time; fewer rows leave registers for more weight rows (Cols).
+template <typename Format>
+static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                          int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: return rows_block<Format, 1, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 2: return rows_block<Format, 2, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 3: return rows_block<Format, 3, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    default: return rows_block<Format, kTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+  }
+}
+
+template <typename Format>
+static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+              "w must be [N, K/32 * block bytes] contiguous uint8");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
+  const int64_t blocks = k / kBlock;
+  TORCH_CHECK(w.size(1) == blocks * Format::kBytes, "w row has the wrong number of bytes");
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  // Each thread takes a contiguous range of output features (weight rows) and all rows of x.
+  // A panel of kPanel weight rows stays in cache while every tile of x's rows passes over it.
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanel) {
+      const int64_t p1 = std::min(end, p0 + kPanel);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, m - r0));
+        rows_dispatch<Format>(rows, xp + r0 * k, k, wp, row_bytes, blocks, yp + r0 * n, n, p0, p1);
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  return block_linear<Q41>(x, w);
+}
+
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  return block_linear<Q80>(x, w);
+}

@@ -1,0 +1,98 @@
+"""GGUF checkpoints keep their Q4_1 / Q8_0 blocks: float32 arithmetic at 4-8 bits per weight read.
+
+Why: batch-1 decoding on a CPU is bound by the bytes of weights it reads. SmolLM2's GGUF stores
+its matrices as Q4_1 (and the tied embedding as Q8_0): 98 MB. Dequantized to float32 at load
+they become 540 MB, and every decode step streams all of it. The kernel here (csrc/gguf_linear.cpp,
+see layers/cpu_kernels.py) reads the file's raw blocks and decodes each one in
+registers into exactly the float32 values the dequantizer gives (d * q + m, one rounding), then
+multiplies in float32. So this is *not* an approximation like ``quantization="int4"``: the model
+is the same float32 model as the dequantized one, and results differ from a dense matmul only in
+summation order, as any two GEMM kernels do (tests/test_gguf_blocks.py checks logits against
+the dense model and greedy output against transformers).
+
+When: a GGUF model on the CPU in float32 uses it by default, as vLLM uses its GGUF kernels for
+GGUF files (``quantization="gguf"`` asks for it explicitly; ``SPECSERVE_CPU_KERNELS=0`` turns
+the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K, Q6_K, ...) stay dense float32.
+
+Rows: the kernel wins while it streams weights, i.e. at a few rows (decode, speculative
+verification, small batches); from ``MAX_KERNEL_ROWS`` rows on MKL's blocked sgemm on the
+dense float32 weight is faster (measured on the 2-core CI machine over all 211 SmolLM2
+matrices: 12 vs 26 ms at 1 row, 15 vs 41 at 4, 27 vs 52 at 8, 54 vs 64 at 16, 107 vs 77 at
+32). So each layer keeps its dense weight for prefill and large batches: memory for speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from specserve.model.layers import cpu_kernels
+from specserve.model.layers.quantization.base import QuantizationMethod
+
+MAX_KERNEL_ROWS = 16  # more rows than this go through the dense float32 weight (see above)
+
+BlockKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [M, K], blocks -> [M, N]
+
+
+def default_enabled() -> bool:
+    """GGUF models use the block kernels unless the CPU kernels are switched off."""
+    return cpu_kernels.enabled()
+
+
+class GGUFBlockLinear(nn.Module):
+    """``nn.Linear`` whose few-row products read the GGUF blocks; the dense weight serves the rest.
+
+    ``weight`` and ``bias`` stay the dense layer's parameters (a tied embedding keeps sharing its
+    table), so code that reads them is unaffected."""
+
+    def __init__(self, linear: nn.Linear, blocks: torch.Tensor, kernel: BlockKernel,
+                 format_name: str) -> None:
+        super().__init__()
+        self.weight = linear.weight  # [N, K] float32, shared, not copied
+        self.bias = linear.bias
+        self.register_buffer("blocks", blocks)  # [N, K / 32 * block bytes] uint8, GGUF's bytes
+        self._kernel = kernel
+        self.format_name = format_name
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if x.dim() == 2 and x.shape[0] <= MAX_KERNEL_ROWS and x.dtype == torch.float32:
+            y = self._kernel(x, self.blocks)
+            return y if self.bias is None else y + self.bias
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"blocks={self.format_name}")
+
+
+class GGUFBlocks(QuantizationMethod):
+    name: ClassVar[str] = "gguf"
+    description: ClassVar[str] = ("keep a GGUF file's Q4_1 / Q8_0 blocks and multiply in float32 "
+                                  "(same results as the dequantized weights); CPU, float32")
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, tuple[torch.Tensor, str]] = {}
+        self._kernels = None
+
+    def bind(self, model: nn.Module, source) -> None:
+        if not getattr(source, "is_gguf", False):
+            raise ValueError(f"quantization='gguf' needs a .gguf model; {source.name} is not one.")
+        self._kernels = cpu_kernels.load()
+        if self._kernels is None:
+            return
+        from specserve.model.gguf_loader import linear_blocks
+
+        self._blocks = linear_blocks(source.gguf_file, model)
+
+    def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
+        found = self._blocks.get(name)
+        if found is None or linear.weight.dtype != torch.float32:
+            return None
+        blocks, format_name = found
+        kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
+        return GGUFBlockLinear(linear, blocks, kernel, format_name)

@@ -1,0 +1,96 @@
+"""The C++ CPU kernels (specserve/model/layers/csrc) against the torch ops they replace.
+
+GGUF block products must equal a float64 product with the dequantizer's float32 weights to
+float32 rounding (they compute the same sums in another order), for every row count the tiling
+distinguishes and output widths that leave tails; the norm kernels must match Hugging Face's
+RMSNorm op sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from specserve.model.layers import cpu_kernels
+from specserve.model.layers.norm import RMSNorm
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(
+    kernels is None, reason="the CPU kernels did not build (no C++ compiler?); see the log")
+
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17]  # tiles of 1/2/3/4 rows and their remainders
+
+
+def _blocks(qtype: QT, out_features: int, in_features: int, seed: int):
+    """Random weights quantized by gguf: (raw blocks [N, bytes] uint8, dequantized [N, K] f32)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    raw = quantize(w, qtype)  # [N, K / 32 * block bytes]
+    dense = dequantize(raw, qtype)  # the float32 values the loader would build
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dense.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype,kernel", [(QT.Q4_1, "q4_1_linear"), (QT.Q8_0, "q8_0_linear")])
+@pytest.mark.parametrize("out_features", [7, 64, 131])  # below, at and past a parallel chunk
+def test_block_linear_equals_dequantized_matmul(qtype, kernel, out_features):
+    raw, dense = _blocks(qtype, out_features, 96, seed=out_features)
+    fn = getattr(kernels, kernel)
+    gen = torch.Generator().manual_seed(1)
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, 96, generator=gen)
+        got = fn(x, raw)  # [rows, N]
+        ref = x.double() @ dense.double().t()
+        scale = x.abs().double() @ dense.abs().double().t()  # bound on the rounding
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), rows
+
+
+def test_block_linear_rejects_bad_shapes():
+    raw, _ = _blocks(QT.Q4_1, 8, 64, seed=0)
+    with pytest.raises(RuntimeError, match="wrong number of bytes"):
+        kernels.q4_1_linear(torch.randn(2, 96), raw)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), raw)
+
+
+def test_block_linear_wrong_decoding_would_fail():
+    """Power check: the tolerance above is tight enough to see a one-code error in one block."""
+    raw, dense = _blocks(QT.Q4_1, 16, 64, seed=3)
+    broken = raw.clone()
+    broken[5, 4 + 3] ^= 1  # one 4-bit code of row 5, block 0
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    got = kernels.q4_1_linear(x, broken)
+    ref = x.double() @ dense.double().t()
+    scale = x.abs().double() @ dense.abs().double().t()
+    assert not ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all()
+
+
+@pytest.mark.parametrize("hidden", [64, 72])  # whole vectors of 16, and a tail
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: several parallel tasks
+def test_rms_norm_matches_hf_op_sequence(hidden, rows):
+    gen = torch.Generator().manual_seed(hidden + rows)
+    x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    weight, eps = torch.randn(hidden, generator=gen), 1e-5
+
+    def hf(h):  # LlamaRMSNorm.forward in float32
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+    torch.testing.assert_close(kernels.rms_norm(x, weight, eps), hf(x), rtol=1e-6, atol=1e-6)
+    normed, summed = kernels.add_rms_norm(x, residual, weight, eps)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, hf(x + residual), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_module_uses_the_kernel(monkeypatch):
+    norm = RMSNorm(64, 1e-6)
+    calls = []
+    real = kernels.add_rms_norm
+    monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {
+        "add_rms_norm": staticmethod(lambda *a, **kw: calls.append(1) or real(*a, **kw)),
+        "rms_norm": kernels.rms_norm})())
+    x, residual = torch.randn(2, 64), torch.randn(2, 64)
+    out, summed = norm.add_and_norm(x, residual)
+    assert calls and torch.equal(summed, x + residual)
