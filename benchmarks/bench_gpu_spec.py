@@ -549,6 +549,42 @@ def profile_spec_steps(engine, driver, prompts: list[list[int]], new_tokens: int
     return lines
 
 
+def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out: Path | None,
+                         skip: int = 20, steps: int = 40) -> list[str]:
+    """Host time of a batch-32 speculative run in its steady state (after ``skip`` steps): the
+    Python functions by cumulative time over ``steps`` steps (cProfile), beside the steps' wall
+    time, to show what the host does beyond the GPU's work."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"steady-{i}-{time.monotonic_ns()}", None, params,
+                           prompt_token_ids=prompt)
+    for _ in range(skip):
+        engine.step()
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    lines = [f"{steps} steps after {skip}: {1e3 * wall / steps:.2f} ms per step under cProfile",
+             *text.getvalue().splitlines()]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "steady_steps_profile.txt").write_text("\n".join(lines))
+    return lines
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -677,6 +713,9 @@ def main() -> int:
     ap.add_argument("--profile-spec-steps", action="store_true",
                     help="after section 4: torch.profiler over the first decode steps of a "
                          "batch-32 speculative run (the draft prefills in the first)")
+    ap.add_argument("--profile-steady-steps", action="store_true",
+                    help="after section 4: cProfile over 40 steady-state steps of a batch-32 "
+                         "adaptive run at a = 0.5 (host time per function)")
     ap.add_argument("--steps-log", action="store_true",
                     help="write every engine step of section 4's runs to OUT/steps.jsonl "
                          "(time, proposals, draft catch-up tokens, cap, batch)")
@@ -959,6 +998,10 @@ def main() -> int:
             driver.adaptive = None
             replay.acceptance = 0.9
             spec["profile_spec_steps"] = profile_spec_steps(engine, driver, b32, new32, args.out)
+        if args.profile_steady_steps:
+            driver.adaptive = adaptive  # the policy as users get it, at the hardest rate
+            replay.acceptance = 0.5
+            spec["profile_steady"] = profile_steady_steps(engine, b32, new32, args.out)
         if args.catch_up_sweep:
             spec["catch_up_sweep"] = catch_up_sweep(draft_runner, engine.runner, len(b32),
                                                     args.out)
@@ -1049,6 +1092,10 @@ def main() -> int:
     if not args.no_spec and spec.get("profile_spec_steps"):
         say("\n== 4d. first decode steps of a batch-32 speculative run, profiled")
         for line in spec["profile_spec_steps"]:
+            say(line)
+    if not args.no_spec and spec.get("profile_steady"):
+        say("\n== 4e. steady-state batch-32 speculative steps, host profile (a = 0.5, adaptive)")
+        for line in spec["profile_steady"][:70]:
             say(line)
     if not args.no_spec and spec.get("catch_up_sweep"):
         say("\n== 4c. draft catch-up and target pass cost by tokens per sequence")

@@ -84,10 +84,16 @@ def test_unknown_method_and_wrong_device_fail_clearly(tiny_llama):
     with pytest.raises(ValueError, match="applies to a draft model"):
         tiny_llm(tiny_llama, speculative_model="[ngram]", num_speculative_tokens=3,
                  ngram_prompt_lookup_max=3, speculative_model_quantization="int8")
-    assert set(QUANTIZATION_METHODS) == {"int4", "int8"}
+    assert set(QUANTIZATION_METHODS) == {"gguf", "int4", "int8"}
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+        tiny_llm(tiny_llama, quantization="gguf")  # it reads the file's blocks: none here
 
 
-@pytest.mark.parametrize("method", sorted(QUANTIZATION_METHODS))
+# from float weights; "gguf" keeps a GGUF file's blocks (tests/test_loader.py, test_smollm2.py)
+FLOAT_METHODS = sorted(set(QUANTIZATION_METHODS) - {"gguf"})
+
+
+@pytest.mark.parametrize("method", FLOAT_METHODS)
 def test_quantized_engine_batch_invariant_and_speculation_lossless(
         method, tiny_llama, tiny_llama_draft):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
