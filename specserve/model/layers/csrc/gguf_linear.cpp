@@ -38,7 +38,7 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 constexpr int kBlock = 32;
-constexpr int kTile = 4;  // rows of x sharing one decode of a block
+constexpr int kTile = 8;  // rows of x sharing one decode of a block
 constexpr int64_t kPanel = 32;  // weight rows kept in cache while all rows of x pass
 
 static inline f32x16 load16(const float* p) {
@@ -140,7 +140,9 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
   for (; i < n1; ++i) tile<Format, Rows, 1>(x, k, w + i * row_bytes, row_bytes, blocks, y + i, n);
 }
 
-// Up to 4 rows of x at a time; fewer rows leave registers for more weight rows (Cols).
+// Up to 8 rows of x at a time (a verification of k = 4..7 proposals decodes each block once);
+// fewer rows leave registers for more weight rows (Cols). Accumulators: 2 * Rows * Cols <= 24
+// of the 32 vector registers.
 template <typename Format>
 static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                           int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
@@ -148,7 +150,11 @@ static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w,
     case 1: return rows_block<Format, 1, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 2: return rows_block<Format, 2, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 3: return rows_block<Format, 3, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    default: return rows_block<Format, kTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 4: return rows_block<Format, 4, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 5: return rows_block<Format, 5, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 6: return rows_block<Format, 6, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 7: return rows_block<Format, 7, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    default: return rows_block<Format, kTile, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
   }
 }
 

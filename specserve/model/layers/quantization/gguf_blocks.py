@@ -17,8 +17,9 @@ the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K,
 Rows: the kernel wins while it streams weights, i.e. at a few rows (decode, speculative
 verification, small batches); from ``MAX_KERNEL_ROWS`` rows on MKL's blocked sgemm on the
 dense float32 weight is faster (measured on the 2-core CI machine over all 211 SmolLM2
-matrices: 12 vs 26 ms at 1 row, 15 vs 41 at 4, 27 vs 52 at 8, 54 vs 64 at 16, 107 vs 77 at
-32). So each layer keeps its dense weight for prefill and large batches: memory for speed.
+matrices, kernel vs dense ms: 1 row 12 vs 26, 4 rows 15 vs 41, 6 rows 19 vs 45-51, 8 rows 28
+vs 52-57, 16 rows 54-57 vs 64, 32 rows 107 vs 77). So each layer keeps its dense weight for
+prefill and large batches: memory for speed.
 """
 
 from __future__ import annotations
