@@ -17,6 +17,16 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_SEED = 1
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the C++ CPU kernels (specserve/model/layers/cpu_kernels.py) before any test: the
+    first build takes ~40 s, which must not land inside a test with a deadline (a server
+    subprocess starting up, say). Later loads, in this process and in subprocesses, find it
+    cached."""
+    from specserve.model.layers import cpu_kernels
+
+    cpu_kernels.load()
+
+
 def _build(tmp_path_factory: pytest.TempPathFactory, name: str, arch: str, **kwargs) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **kwargs)
 
