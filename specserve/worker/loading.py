@@ -10,7 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM
-from specserve.model.layers.quantization import get_quantization_method, gguf_blocks, quantize_model
+from specserve.model.layers import cpu_kernels
+from specserve.model.layers.quantization import get_quantization_method, quantize_model
 from specserve.model.layers.quantization.gguf_blocks import GGUFBlocks
 from specserve.model.layers.weight_layout import store_linear_weights_input_major
 from specserve.model.loader import ModelSource, iter_weights, load_hf_config, resolve_model
@@ -35,9 +36,10 @@ class LoadedModel:
 def uses_gguf_blocks_by_default(source: ModelSource, dtype: torch.dtype,
                                 device: torch.device) -> bool:
     """A float32 GGUF model on the CPU keeps its file's blocks (see gguf_blocks: same results,
-    far fewer bytes per decode step) unless SPECSERVE_GGUF_KERNELS=0."""
+    far fewer bytes per decode step) when the CPU kernels are there (not switched off with
+    SPECSERVE_CPU_KERNELS=0, and built)."""
     return (source.is_gguf and device.type == "cpu" and dtype == torch.float32
-            and gguf_blocks.default_enabled())
+            and cpu_kernels.load() is not None)
 
 
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device,

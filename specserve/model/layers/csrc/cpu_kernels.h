@@ -3,7 +3,19 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
 #include <tuple>
+
+// 16 float32 lanes (one AVX-512 register; GCC splits it where registers are narrower).
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // gguf_linear.cpp: x [M, K] float32 @ raw GGUF blocks [N, K / 32 * block bytes]^T -> [M, N]
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w);

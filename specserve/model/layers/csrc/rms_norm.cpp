@@ -15,16 +15,6 @@
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
 // One row: sum (if residual) into h, normalise h into out.
 void norm_row(const float* x, const float* residual, const float* weight, int64_t hidden,
               float eps, float* out, float* h) {

@@ -38,11 +38,6 @@ MAX_KERNEL_ROWS = 16  # more rows than this go through the dense float32 weight 
 BlockKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [M, K], blocks -> [M, N]
 
 
-def default_enabled() -> bool:
-    """GGUF models use the block kernels unless the CPU kernels are switched off."""
-    return cpu_kernels.enabled()
-
-
 class GGUFBlockLinear(nn.Module):
     """``nn.Linear`` whose few-row products read the GGUF blocks; the dense weight serves the rest.
 
