@@ -88,6 +88,29 @@ def test_mirror_uses_less_than_its_budget(pair):
     assert pair.mirrored.backend.mirror._seq_lens == [6, 6]
 
 
+def test_cpu_rope_kernel_writes_cache_and_mirror(pair, monkeypatch):
+    """float32 CPU steps rotate and write K/V through the C++ kernel (csrc/rope_kv.cpp), on
+    extend steps into the mirror too: the other tests here then check that path against
+    transformers, not the torch fallback."""
+    from specserve.model.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels did not build")
+    calls = []
+    real = kernels.rope_write_kv
+    monkeypatch.setattr(kernels, "rope_write_kv",
+                        lambda *a, **kw: calls.append(len(a)) or real(*a, **kw))
+    seqs = _seqs(pair.vocab, [60, 60])
+    pair.step(seqs, [s.run(5) for s in seqs])  # prefill: cache only
+    pair.step(seqs, [s.run(1) for s in seqs])  # first decode: the mirror is built (gathered)
+    pair.step(seqs, [s.run(1) for s in seqs])  # extend: cache and mirror rows
+    layers = pair.hf.config.num_hidden_layers
+    # Each step runs the mirrored runner's layers, then the plain one's (never mirrored).
+    assert calls[: 2 * layers] == [8] * (2 * layers)  # prefill
+    assert calls[-2 * layers :] == [11] * layers + [8] * layers  # extend
+
+
 def test_batch_decode_through_capacity_growth_and_changes(pair):
     seqs = _seqs(pair.vocab, [120, 120, 120])
     prompts = [7, 3, 12]

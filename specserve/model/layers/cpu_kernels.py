@@ -5,7 +5,8 @@ Why C++ at all: on a CPU a batch-1 decode step of a small model is bound by the 
 it reads and by per-op dispatch overhead, and torch has no op for either fix: float32 products
 straight from GGUF's 4-bit blocks (csrc/gguf_linear.cpp, used by quantization/gguf_blocks.py), and
 a residual add + RMSNorm in one pass instead of 7 dispatches (csrc/rms_norm.cpp, used by
-layers/norm.py). Each kernel computes the same float32 arithmetic as the torch ops it replaces,
+layers/norm.py), rotary + KV-cache write in one pass instead of ~12 (csrc/rope_kv.cpp, used by
+the torch attention backend). Each kernel computes the same float32 arithmetic as the torch ops it replaces,
 up to summation order; tests/test_cpu_kernels.py compares them with those ops.
 
 The build needs a C++ compiler (gcc is on every machine we run on) and takes ~40 s the first
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "SPECSERVE_CPU_KERNELS"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "gguf_linear.cpp", "rms_norm.cpp")
+_SOURCES = ("bindings.cpp", "gguf_linear.cpp", "rms_norm.cpp", "rope_kv.cpp")
 
 
 def enabled() -> bool:

@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from specserve.model.layers import cpu_kernels
 from specserve.model.layers.attention.backend import AttentionBackend
 from specserve.model.layers.attention.metadata import AttentionMetadata
 from specserve.model.layers.attention.torch_context_mirror import ContextMirror, MirrorStep
@@ -73,6 +74,11 @@ class _Layout(ABC):
         only layouts that keep state across steps care."""
         return None
 
+    def extra_kv_rows(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Further (k rows, v rows, index) this step's K/V must also be written to, for a
+        kernel that writes them itself instead of calling wrote_kv; None if there are none."""
+        return None
+
     @abstractmethod
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -97,6 +103,9 @@ class _ContextLayout(_Layout):
     def wrote_kv(self, key, value, k_cache):
         if self.mirror is not None:
             self.mirror.write(key, value, k_cache)
+
+    def extra_kv_rows(self, k_cache):
+        return None if self.mirror is None else self.mirror.extend_rows(k_cache)
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +230,24 @@ class TorchAttentionBackend(AttentionBackend):
         else:  # the mirror serves short runs (verification) and drops out for prompt chunks
             layout = _MixedLayout(meta, self.mirror.plan(meta))
         meta.backend_state["torch"] = layout
+
+    def rotate_and_write_kv(self, qkv, rotary, rope, k_cache, v_cache, meta) -> torch.Tensor:
+        """float32 on the CPU: one C++ pass (csrc/rope_kv.cpp, bit-identical to the unfused
+        path) rotates q and k and writes k and v to the cache and the mirror; elsewhere the
+        base class's rotate, then write_kv."""
+        if not (rotary.rotary_dim == rotary.head_dim and qkv.is_contiguous()
+                and qkv.dtype == k_cache.dtype and cpu_kernels.available(qkv)):
+            return super().rotate_and_write_kv(qkv, rotary, rope, k_cache, v_cache, meta)
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+        self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
+        layout = meta.backend_state.get("torch")  # None when called outside a prepared step
+        extra = None if layout is None else layout.extra_kv_rows(k_cache)
+        half = head_dim // 2
+        return cpu_kernels.load().rope_write_kv(
+            qkv, rope.cos.view(-1, half), rope.sin[:, 0, 1], num_heads, kv_heads,
+            k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim),
+            meta.slot_mapping, *(extra or ()))  # [T, H, D]
 
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)

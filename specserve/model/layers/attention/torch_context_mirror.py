@@ -54,10 +54,20 @@ class MirrorStep:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
         """key/value [T, KvH, D]: this step's new tokens (written on extend steps only)."""
-        if self.extend:
-            mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
-            mk.view(-1, *mk.shape[2:]).index_copy_(0, self.index, key)
-            mv.view(-1, *mv.shape[2:]).index_copy_(0, self.index, value)
+        rows = self.extend_rows(k_cache)
+        if rows is not None:
+            k_rows, v_rows, index = rows
+            k_rows.index_copy_(0, index, key)
+            v_rows.index_copy_(0, index, value)
+
+    def extend_rows(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Where this step's new K/V rows go on an extend step: (k rows, v rows [S * capacity,
+        KvH, D] views of the layer's buffers, index [T]); None on a rebuild step (which
+        gathers the context from the cache after the write)."""
+        if not self.extend:
+            return None
+        mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
+        return mk.view(-1, *mk.shape[2:]), mv.view(-1, *mv.shape[2:]), self.index
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 max_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,4 +6,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] f32 @ Q8_0 blocks [N, K/32*34]^T -> [M, N]");
   m.def("rms_norm", &rms_norm, "x [T, H] f32 -> weight * x / rms(x), per row");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual) -> (rms_norm(x + residual), x + residual)");
+  m.def("rope_write_kv", &rope_write_kv,
+        "rotate packed q/k, write k/v to cache slots (and mirror rows); returns q [T, H, D]",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("k_mirror") = py::none(), py::arg("v_mirror") = py::none(),
+        py::arg("mirror_rows") = py::none());
 }

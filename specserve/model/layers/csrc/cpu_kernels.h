@@ -26,3 +26,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                       const torch::Tensor& residual,
                                                       const torch::Tensor& weight, double eps);
+
+// rope_kv.cpp: rotate q and k of a packed qkv [T, (H + 2 KvH) * D] (HF rotate-half), write the
+// rotated keys and the values to the cache slots (and mirror rows); returns the queries [T, H, D]
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
+                            const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_mirror,
+                            const c10::optional<torch::Tensor>& v_mirror,
+                            const c10::optional<torch::Tensor>& mirror_rows);
