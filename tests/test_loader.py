@@ -417,6 +417,7 @@ def test_gguf_blocks_equal_the_dequantized_model(tmp_path, tied):
     assert blocks["lm_head"].format_name == ("Q8_0" if tied else "Q4_1")
     gen = torch.Generator().manual_seed(0)
     for name, module in blocks.items():
+        assert module.weight.t().is_contiguous(), name  # the dense copy is MKL's fast layout
         for rows in (1, 3, MAX_KERNEL_ROWS + 4):
             x = torch.randn(rows, module.in_features, generator=gen)
             ref = x.double() @ module.weight.double().t()  # the dequantized weight

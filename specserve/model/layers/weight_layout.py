@@ -24,11 +24,15 @@ from torch import nn
 
 
 def store_linear_weights_input_major(model: nn.Module) -> int:
-    """Re-store every float32 CPU ``nn.Linear`` weight of model input-major; returns how many
-    weight tensors were changed (a weight tied to an embedding counts once)."""
+    """Re-store every float32 CPU ``nn.Linear`` weight of model (and the dense weight a
+    ``GGUFBlockLinear`` keeps) input-major; returns how many weight tensors were changed (a
+    weight tied to an embedding counts once)."""
+    from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
+
     changed: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
+        # GGUFBlockLinear keeps a dense weight for prefill and large batches: the same case
+        if not isinstance(module, (nn.Linear, GGUFBlockLinear)):
             continue
         weight = module.weight
         if (id(weight) in changed or weight.device.type != "cpu"

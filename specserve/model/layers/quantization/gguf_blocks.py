@@ -7,19 +7,22 @@ see layers/cpu_kernels.py) reads the file's raw blocks and decodes each one in
 registers into exactly the float32 values the dequantizer gives (d * q + m, one rounding), then
 multiplies in float32. So this is *not* an approximation like ``quantization="int4"``: the model
 is the same float32 model as the dequantized one, and results differ from a dense matmul only in
-summation order, as any two GEMM kernels do (tests/test_gguf_blocks.py checks logits against
-the dense model and greedy output against transformers).
+summation order, as any two GEMM kernels do (tests/test_loader.py checks every projection of a
+synthetic GGUF against its dequantized weight, tests/test_smollm2.py greedy output against
+transformers).
 
 When: a GGUF model on the CPU in float32 uses it by default, as vLLM uses its GGUF kernels for
 GGUF files (``quantization="gguf"`` asks for it explicitly; ``SPECSERVE_CPU_KERNELS=0`` turns
-the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K, Q6_K, ...) stay dense float32.
+the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K, Q6_K, ...)
+stay dense float32.
 
 Rows: the kernel wins while it streams weights, i.e. at a few rows (decode, speculative
 verification, small batches); from ``MAX_KERNEL_ROWS`` rows on MKL's blocked sgemm on the
 dense float32 weight is faster (measured on the 2-core CI machine over all 211 SmolLM2
 matrices, kernel vs dense ms: 1 row 12 vs 26, 4 rows 15 vs 41, 6 rows 19 vs 45-51, 8 rows 28
 vs 52-57, 16 rows 54-57 vs 64, 32 rows 107 vs 77). So each layer keeps its dense weight for
-prefill and large batches: memory for speed.
+prefill and large batches: memory for speed (stored input-major like every CPU linear weight,
+see weight_layout.py).
 """
 
 from __future__ import annotations
