@@ -56,6 +56,8 @@ def _build():
         from torch.utils.cpp_extension import load
 
         t0 = time.perf_counter()
+        logger.info("loading specserve's CPU kernels (the first time on a machine compiles "
+                    "them: ~40 s)")
         module = load(name=f"specserve_cpu_kernels_{_cpu_tag()}",
                       sources=[str(_CSRC / name) for name in _SOURCES],
                       extra_include_paths=[str(_CSRC)],
