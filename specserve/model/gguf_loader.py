@@ -297,9 +297,7 @@ def gguf_to_hf_name(name: str) -> str | None:
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` one tensor at a time; quantized tensors come out float32."""
     gf = read_gguf(path)
-    arch = gguf_arch(gf)
-    heads = gf.arch_key("attention.head_count")
-    kv_heads = gf.arch_key("attention.head_count_kv", heads)
+    gguf_arch(gf)  # an unsupported architecture fails here, before any tensor is read
     for info in gf.tensors.values():
         if info.name in _IGNORED_TENSORS:
             warnings.warn(
@@ -314,12 +312,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 f"{gf.path}: GGUF tensor {info.name!r} has no Hugging Face name in the "
                 f"{gf.architecture!r} mapping; this file's variant is not supported."
             )
-        tensor = dequantize_tensor(gf, info)
-        if arch.permute_qk and ".attn_q." in info.name:
-            tensor = unpermute_qk(tensor, heads)
-        elif arch.permute_qk and ".attn_k." in info.name:
-            tensor = unpermute_qk(tensor, kv_heads)
-        yield hf_name, tensor
+        yield hf_name, hf_row_order(gf, info, dequantize_tensor(gf, info))
 
 
 def dequantize_tensor(gf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
@@ -348,9 +341,6 @@ def linear_blocks(path: str | Path, model: torch.nn.Module) -> dict[str, tuple[t
     all parts must share one type; the tied ``lm_head`` reads the embedding's blocks. Q/K rows get
     the same un-interleave as their dequantized weights (a row permutation: blocks stay whole)."""
     gf = read_gguf(path)
-    arch = gguf_arch(gf)
-    heads = gf.arch_key("attention.head_count")
-    kv_heads = gf.arch_key("attention.head_count_kv", heads)
     by_hf_name = {gguf_to_hf_name(info.name): info for info in gf.tensors.values()}
     if "lm_head.weight" not in by_hf_name and "model.embed_tokens.weight" in by_hf_name:
         by_hf_name["lm_head.weight"] = by_hf_name["model.embed_tokens.weight"]  # tied
@@ -370,14 +360,23 @@ def linear_blocks(path: str | Path, model: torch.nn.Module) -> dict[str, tuple[t
         rows = []
         for info in infos:
             raw = torch.from_numpy(gf.data[info.offset : info.offset + info.nbytes].copy())
-            raw = raw.reshape(info.shape[0], -1)  # [out, in / 32 * block bytes]
-            if arch.permute_qk and ".attn_q." in info.name:
-                raw = unpermute_qk(raw, heads)
-            elif arch.permute_qk and ".attn_k." in info.name:
-                raw = unpermute_qk(raw, kv_heads)
-            rows.append(raw)
+            rows.append(hf_row_order(gf, info, raw.reshape(info.shape[0], -1)))  # [out, bytes]
         found[name] = (torch.cat(rows).contiguous(), type_name)
     return found
+
+
+def hf_row_order(gf: GGUFFile, info: GGUFTensorInfo, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [out, ...] of tensor ``info`` (dequantized values or raw blocks, one row per
+    output feature) in Hugging Face's order: Q/K un-interleaved where the architecture's
+    converter interleaved them, everything else unchanged."""
+    if not gguf_arch(gf).permute_qk:
+        return rows
+    if ".attn_q." in info.name:
+        return unpermute_qk(rows, gf.arch_key("attention.head_count"))
+    if ".attn_k." in info.name:
+        heads = gf.arch_key("attention.head_count")
+        return unpermute_qk(rows, gf.arch_key("attention.head_count_kv", heads))
+    return rows
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
+
 
 def store_linear_weights_input_major(model: nn.Module) -> int:
     """Re-store every float32 CPU ``nn.Linear`` weight of model (and the dense weight a
     ``GGUFBlockLinear`` keeps) input-major; returns how many weight tensors were changed (a
     weight tied to an embedding counts once)."""
-    from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
-
     changed: set[int] = set()
     for module in model.modules():
         # GGUFBlockLinear keeps a dense weight for prefill and large batches: the same case
