@@ -202,3 +202,28 @@ def test_a_prompt_chunk_drops_the_mirror(pair, monkeypatch):
     pair.step(seqs, [s.run(2) for s in seqs])
     pair.step(seqs, [s.run(1) for s in seqs])
     assert extends == [False, False, False, True]
+
+
+def test_a_few_longer_runs_in_a_decode_batch_are_split_off(pair, monkeypatch):
+    """A large batch where only some sequences verify proposals (or one takes a prompt chunk)
+    does not pad every run to the longest: the last query of every run is attended like a
+    decode and only the longer runs' other queries one sequence at a time. Same logits as
+    transformers, with the mirror and without."""
+    layouts: list[str] = []
+    prepare = pair.mirrored.backend.prepare
+
+    def spy(meta):
+        prepare(meta)
+        layouts.append(type(meta.backend_state["torch"]).__name__)
+
+    monkeypatch.setattr(pair.mirrored.backend, "prepare", spy)
+    seqs = _seqs(pair.vocab, [120] * 6)
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [7, 9, 5, 11, 6, 8], strict=True)])
+    pair.step(seqs, [s.run(1) for s in seqs])
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [1, 6, 1, 1, 2, 1], strict=True)])
+    pair.step(seqs, [s.run(n, back=b) for s, n, b in zip(seqs, [1, 1, 3, 1, 1, 1],
+                                                          [0, 4, 0, 0, 1, 0], strict=True)])
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [1, 1, 1, 20, 1, 1], strict=True)])
+    pair.step(seqs, [s.run(1) for s in seqs])
+    assert layouts == ["_PrefillLayout", "_DecodeLayout", "_SplitLayout", "_SplitLayout",
+                       "_SplitLayout", "_DecodeLayout"]

@@ -18,6 +18,11 @@ gathers and one kernel, with every index and mask built once and shared by all l
   ``[num_seqs, max_seq_len]`` batch with one precomputed additive mask. Verification steps
   (short runs) read their context from the same mirror as decode steps, so switching between
   speculative and plain steps keeps it instead of re-gathering it twice.
+* ``_SplitLayout`` - mostly one-token runs with a few longer ones (a large batch in which only
+  some sequences verify proposals, or decodes beside a prompt chunk), where padding every run
+  to the longest would multiply the attention work: every run's last query goes through the
+  decode layout's computation, and only the longer runs' other queries through a padded batch
+  of those sequences.
 
 Padding is cheap at CPU batch sizes and keeps the number of ops per layer constant, which
 matters more on CPU (30 layers x per-op dispatch) than the wasted FLOPs.
@@ -212,6 +217,71 @@ class _MixedLayout(_ContextLayout):
         return _unpad(out, self.real_rows)  # [T, H, D]
 
 
+class _SplitLayout(_ContextLayout):
+    def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
+        super().__init__(meta, mirror)
+        device = meta.slot_mapping.device
+        s = meta.num_seqs
+        self.last_rows = meta.query_start_loc[1:].to(torch.int64) - 1  # [S]: each run's last
+        self.decode_mask = None  # query, which sees the run's whole context
+        if min(meta.seq_lens_host) != self.max_k:
+            k_pos = torch.arange(self.max_k, device=device)  # [K]
+            allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
+            self.decode_mask = _AdditiveMask(allowed[:, None, None, :])  # [S, 1, 1, K]
+        # The longer runs' other E = q - 1 queries, one sequence at a time: its context is a
+        # view of the step's context (no copy), its queries see keys [0, start + e] for the
+        # query at offset e, i.e. the first start + E keys with a bottom-right causal mask.
+        starts = [0]
+        for q in meta.query_lens:
+            starts.append(starts[-1] + q)
+        self.extras: list[tuple[int, int, int, int, torch.Tensor]] = []
+        self._masks: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        source = torch.empty(meta.num_tokens, dtype=torch.int64)  # [T] row of each token in
+        source[self.last_rows.cpu()] = torch.arange(s)  # cat([last [S], extras...])
+        row = s
+        for i, (q, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
+            if q == 1:
+                continue
+            e, keys = q - 1, seq_len - 1  # context before the run + the E queries
+            allowed = torch.ones(e, keys, dtype=torch.bool).tril_(keys - e)  # [E, keys]
+            self.extras.append((i, starts[i], e, keys, allowed.to(device)))
+            source[starts[i] : starts[i] + e] = torch.arange(row, row + e)
+            row += e
+        self.source = source.to(device)
+
+    def attend(self, query, k_cache, v_cache, scale):
+        s = self.last_rows.shape[0]
+        _, num_heads, head_dim = query.shape
+        kv_heads = k_cache.shape[2]
+        groups = num_heads // kv_heads
+        k, v = self.context(k_cache, v_cache, s)  # [S, KvH, K, D] each
+        # Last queries: grouped-query heads folded into the query axis, as in _DecodeLayout.
+        q = query.index_select(0, self.last_rows).view(s, kv_heads, groups, head_dim)
+        mask = None if self.decode_mask is None else self.decode_mask.get(query.dtype)
+        outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale
+                                               ).reshape(s, num_heads, head_dim)]
+        masks = self._masks.get((query.dtype, groups))
+        if masks is None:  # built once per step: [G * E, keys] additive, rows g-major
+            masks = self._masks[(query.dtype, groups)] = [
+                _AdditiveMask(allowed.repeat(groups, 1)).get(query.dtype)
+                for *_, allowed in self.extras]
+        for (i, start, e, keys, _), m in zip(self.extras, masks, strict=True):
+            # [E, H, D] -> [KvH, G * E, D] (rows g-major), against [KvH, keys, D] views
+            qe = query[start : start + e].view(e, kv_heads, groups, head_dim)
+            qe = qe.permute(1, 2, 0, 3).reshape(kv_heads, groups * e, head_dim)
+            out = F.scaled_dot_product_attention(qe, k[i, :, :keys], v[i, :, :keys],
+                                                 attn_mask=m, scale=scale)
+            outs.append(out.view(kv_heads, groups, e, head_dim).permute(2, 0, 1, 3)
+                        .reshape(e, num_heads, head_dim))
+        return torch.cat(outs).index_select(0, self.source)  # [T, H, D]
+
+
+def _padding_dominates(meta: AttentionMetadata) -> bool:
+    """Padding every run to the longest would at least double the query rows (and a split
+    leaves the longer runs' padded batch no bigger than that)."""
+    return meta.num_seqs * meta.max_query_len >= 2 * meta.num_tokens
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -227,6 +297,8 @@ class TorchAttentionBackend(AttentionBackend):
             layout: _Layout = _PrefillLayout(meta)
         elif meta.max_query_len == 1:
             layout = _DecodeLayout(meta, self.mirror.plan(meta))
+        elif _padding_dominates(meta):
+            layout = _SplitLayout(meta, self.mirror.plan(meta))
         else:  # the mirror serves short runs (verification) and drops out for prompt chunks
             layout = _MixedLayout(meta, self.mirror.plan(meta))
         meta.backend_state["torch"] = layout
