@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.adaptive import (
+    BORROW_STEPS,
+    EXPLORE_MIN,
     PLAIN_EXPIRY,
     PROBE_INTERVAL,
     SEQ_MIN_GAIN,
@@ -113,22 +115,37 @@ def test_switch_penalty_is_charged():
 
 def test_explores_with_an_optimistic_cost_bound():
     """Past the largest measured p the cost is taken as the last measured ratio (a lower
-    bound): a draft model's pass is a fixed cost per step that only many proposals amortize,
-    so a batch of 32 must try all of them once to find out, and back off if it does not pay."""
+    bound), so a larger p is tried whenever it could pay, and then it is measured. The bet is
+    bounded: at most EXPLORE_FACTOR times the largest measured p (at least EXPLORE_MIN), so
+    a batch of 32 reaches 128 proposals in a few doubling steps, and backs off if they do
+    not pay."""
     batch = list(range(32))
     policy = AdaptiveSpeculation(4)
     assert policy.plan(batch, [4] * 32) == [0] * 32  # plain decoding not measured yet
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
-    policy.costs.observe(32, 1, PLAIN_SECONDS * 1.3, after_spec=False)  # one probe: +30 %
     for seq_id in batch:
         _train(policy, seq_id, 0.9)
-    assert policy.plan(batch, [4] * 32) == [4] * 32  # untried: could pay, so it is tried
-    draft_curve = 2.85  # measured for 128 proposals (fixed cost + a little per proposal)
-    policy.costs.observe(32, 128, PLAIN_SECONDS * draft_curve, after_spec=False)
-    assert policy.plan(batch, [4] * 32) == [4] * 32  # 0.9 acceptance: 131 tokens for 2.85
+    tried = []
+    for _ in range(8):
+        ks = policy.plan(batch, [4] * 32)
+        tried.append(sum(ks))
+        # cheap proposals: a fixed 30 % plus a little per proposal
+        policy.costs.observe(32, sum(ks), PLAIN_SECONDS * (1.3 + 0.001 * sum(ks)),
+                             after_spec=False)
+    assert tried[:5] == [EXPLORE_MIN, 2 * EXPLORE_MIN, 4 * EXPLORE_MIN, 8 * EXPLORE_MIN, 128]
+    assert tried[-1] == 128
+    # A fixed 30 % and 128 proposals at 2.85 plain steps: they pay at 0.9 acceptance (131
+    # tokens for 2.85 plain steps), not at 0.3 (46 tokens).
+    policy = AdaptiveSpeculation(4)
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    policy.costs.observe(32, 1, PLAIN_SECONDS * 1.3, after_spec=False)
+    policy.costs.observe(32, 128, PLAIN_SECONDS * 2.85, after_spec=False)
+    for seq_id in batch:
+        _train(policy, seq_id, 0.9)
+    assert policy.plan(batch, [4] * 32) == [4] * 32
     for seq_id in batch:
         _train(policy, seq_id, 0.3)
-    assert policy.plan(batch, [4] * 32) == [0] * 32  # 0.3: 46 tokens for 2.85 steps: no
+    assert policy.plan(batch, [4] * 32) == [0] * 32
 
 
 def test_probe_interval_doubles_until_the_sequence_speculates_again():
@@ -232,8 +249,9 @@ def test_a_stale_plain_time_is_measured_again():
     for seq_id in batch:
         _train(policy, seq_id, 0.3)
     policy.costs.observe(32, 0, PLAIN_SECONDS * 4, after_spec=False)  # first decode step
-    assert sum(policy.plan(batch, [4] * 32)) > 64  # looks nearly free: tried
-    policy.costs.observe(32, 128, PLAIN_SECONDS * 2, after_spec=False)  # faster than "plain"
+    tried = sum(policy.plan(batch, [4] * 32))
+    assert tried == EXPLORE_MIN  # looks nearly free: tried (as far as exploring goes)
+    policy.costs.observe(32, tried, PLAIN_SECONDS * 2, after_spec=False)  # faster than "plain"
     assert policy.costs.plain_time(32) is None
     assert policy.plan(batch, [4] * 32) == [0] * 32  # so a plain step measures it again
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=True)
@@ -353,3 +371,30 @@ def test_draft_caps_are_tried_again_after_they_expire():
     caps = _draft_run(0.1, 3 * CAP_EXPIRY)
     tries = [i for i, c in enumerate(caps) if c]
     assert CAP_EXPIRY < tries[-1] and len(tries) <= 3 * 8, tries
+
+
+def test_a_shrinking_batch_keeps_its_cap_through_unmeasured_batch_sizes():
+    """The ragged end of a batch (requests finishing one by one) enters batch sizes whose plain
+    step was never measured: it runs on the larger batches' cap measurements for up to
+    BORROW_STEPS steps, then one plain step measures the new size, instead of a plain step
+    (and a draft catch-up) at every new size."""
+    policy = AdaptiveSpeculation(4)
+    batch = list(range(32))
+    for seq_id in batch:
+        _train(policy, seq_id, 0.7)
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    for _ in range(8):
+        policy.caps.observe(policy.costs.step, 32, 2, PLAIN_SECONDS * 1.3, PLAIN_SECONDS)
+        policy.caps.observe(policy.costs.step, 32, 1, PLAIN_SECONDS * 1.25, PLAIN_SECONDS)
+        policy.caps.observe(policy.costs.step, 32, 3, PLAIN_SECONDS * 1.5, PLAIN_SECONDS)
+    assert policy.plan(batch, [4] * 32, plan_first=True) == [2] * 32
+    caps = [policy.plan(batch[:n], [4] * n, plan_first=True) and policy.last_cap
+            for n in (20, 18, 16, 14, 12, 10)]
+    assert caps == [2] * 6  # 17-32 and 9-16: no plain step, no exploring
+    caps = []
+    for _ in range(BORROW_STEPS + 2):
+        policy.plan(batch[:12], [4] * 12, plan_first=True)
+        caps.append(policy.last_cap)
+    assert caps[BORROW_STEPS - 4] == 0  # then a plain step measures batch 12 (after 4 above)
+    assert policy.plan(list(range(3)), [4] * 3, plan_first=True) and policy.last_cap == 2
+    assert AdaptiveSpeculation(4).plan(batch, [4] * 32, plan_first=True) == [0] * 32

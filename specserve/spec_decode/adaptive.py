@@ -27,8 +27,11 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   tokens costs 1.5-2x a decode from k = 3 and they say that; at large batches every token
   costs and speculation backs off. Unmeasured (B, p) are interpolated between measured ones;
   past the largest measured p the last measured ratio is used, a lower bound (optimism: a
-  larger p is tried once whenever it could pay, and then it is measured). Samples expire, so
-  the estimates follow the machine's load.
+  larger p is tried once whenever it could pay, and then it is measured). That optimism is
+  bounded: a step tries at most ``EXPLORE_FACTOR`` times the largest measured p (at least
+  ``EXPLORE_MIN``), so a large batch finds its cost curve in a few doubling steps instead of
+  betting one step on every candidate (on a CPU at batch 32, 75 proposals cost 2.7 plain
+  steps). Samples expire, so the estimates follow the machine's load.
 * **Draft models** (plan-first proposers, whose declined proposals cannot be scored for free and
   whose cost is mostly a fixed price per step) do not choose proposal by proposal: the batch
   runs a cap on k chosen by measured speedup (batch_cap.py), and each sequence proposes
@@ -65,11 +68,14 @@ PROBE_INTERVAL = 16  # a pinned sequence of a draft model: idle steps before a o
 MAX_PROBE_INTERVAL = 256  # ... after probes that did not lead to speculation
 SEQ_MIN_GAIN = 0.1  # under a draft model's cap, a sequence proposes j tokens while gain >= this
 MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
+BORROW_STEPS = 8  # steps a draft model's batch runs on larger batches' cap measurements
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
+EXPLORE_MIN = 8  # draft-free proposals a step may try before any cost of its batch is known
+EXPLORE_FACTOR = 2  # ... and at most this many times the largest measured count after that
 
 
 @dataclass
@@ -174,6 +180,12 @@ class StepCosts:
                                min(r for _, r in values)))
         return points
 
+    def explore_limit(self, batch_size: int) -> int:
+        """The most proposals a step of this batch size may try: a bounded step past the
+        largest proposal count whose cost is measured."""
+        measured = self.ratio_curve(batch_size)[-1][0]
+        return max(EXPLORE_MIN, int(EXPLORE_FACTOR * measured))
+
     def switch_penalty(self, batch_size: int) -> float:
         """Expected extra cost (in plain steps) that one speculative step causes afterwards."""
         r = self._bucket_low(self.after, batch_size)
@@ -223,6 +235,8 @@ class AdaptiveSpeculation:
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
     caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
+    borrowed_steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps run on
+    # a larger bucket's measurements since its plain time was last unknown-and-measured
     last_cap: int | None = None  # the cap the last plan(plan_first=True) ran
 
     # ---- acceptance ------------------------------------------------------------------------
@@ -304,8 +318,19 @@ class AdaptiveSpeculation:
         min(cap, its own k). Plain decoding until the plain step time is measured."""
         unpinned = [i for i in range(n) if not pinned[i]]
         self.last_cap = None if not unpinned else 0
-        if not unpinned or self.costs.plain_time(n) is None:
+        if not unpinned:
             return
+        if self.costs.plain_time(n) is None:
+            # Plain decoding at this batch size is not measured, so no cap can be priced here
+            # yet. A batch that shrank into it runs on the larger batches' measurements for a
+            # few steps (see batch_cap.py), then a plain step measures it.
+            bucket = batch_bucket(n)
+            borrowed = self.borrowed_steps.get(bucket, 0)
+            if borrowed >= BORROW_STEPS or not self.caps.can_borrow(self.costs.step, n,
+                                                                    self.max_k):
+                self.borrowed_steps[bucket] = 0
+                return
+            self.borrowed_steps[bucket] = borrowed + 1
         gains = [[self.gain(accept[i], j) for j in range(1, own[i] + 1)] for i in unpinned]
         # expected tokens per unpinned sequence under each cap
         expected = [1.0 + sum(sum(g[:c]) for g in gains) / len(unpinned)
@@ -341,8 +366,12 @@ class AdaptiveSpeculation:
             return  # this batch size has not been measured yet: this plain step measures it
         expected = self._expected(n, ks, accept)
         candidates.sort(key=lambda c: (-c[0], c[1]))  # j-th before (j+1)-th of a sequence
+        del candidates[max(self.costs.explore_limit(n) - fixed, 0):]
+        if not candidates:
+            return
         # predicted tokens per plain step with the first m candidates, m = 1..len
-        rates = (expected + np.cumsum([gain for gain, _, _ in candidates])) / cost[fixed + 1:]
+        rates = (expected + np.cumsum([gain for gain, _, _ in candidates])
+                 ) / cost[fixed + 1 : fixed + 1 + len(candidates)]
         best = int(np.argmax(rates))  # the first of equal rates: the fewest proposals
         best_m = best + 1 if rates[best] > self._rate_to_beat(expected, cost, fixed) else 0
         for _, j, i in candidates[:best_m]:
