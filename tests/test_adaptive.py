@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.adaptive import (
     BORROW_STEPS,
@@ -398,3 +400,20 @@ def test_a_shrinking_batch_keeps_its_cap_through_unmeasured_batch_sizes():
     assert caps[BORROW_STEPS - 4] == 0  # then a plain step measures batch 12 (after 4 above)
     assert policy.plan(list(range(3)), [4] * 3, plan_first=True) and policy.last_cap == 2
     assert AdaptiveSpeculation(4).plan(batch, [4] * 32, plan_first=True) == [0] * 32
+
+
+def test_a_closed_batch_counts_extra_tokens_of_a_few_sequences_less():
+    """With nobody waiting, extra tokens of two sequences out of 32 do not end the batch
+    sooner; on a CPU, where every verified row costs about a decode row, they only save rows
+    of later steps, which their own rejected rows cost again: not worth it. When the whole
+    batch copies its input, the batch does finish sooner: still worth it."""
+    batch = list(range(32))
+    row_linear = _policy(lambda b, p: 1.0 + 0.7 * p / b, batches=(32,))  # a row: 0.7 / B
+    for seq_id in batch:
+        _train(row_linear, seq_id, 0.95 if seq_id < 2 else 0.0)
+    assert sum(row_linear.plan(batch, [5] * 32)) > 0  # open: the two speculate
+    assert sum(row_linear.plan(batch, [5] * 32, closed=True)) == 0
+    for seq_id in batch:
+        _train(row_linear, seq_id, 0.95)
+    assert sum(row_linear.plan(batch, [5] * 32, closed=True)) > 32
+    assert row_linear.costs.row_value(32) == pytest.approx(0.7, rel=0.01)

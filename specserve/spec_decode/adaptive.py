@@ -180,6 +180,12 @@ class StepCosts:
                                min(r for _, r in values)))
         return points
 
+    def row_value(self, batch_size: int) -> float:
+        """What one row of a decode step costs as a share of a plain step's cost per token,
+        from the measured cost per proposal (0 until one is measured, at most 1)."""
+        p, ratio = self.ratio_curve(batch_size)[-1]
+        return 0.0 if p == 0 else min(1.0, max(0.0, (ratio - 1.0) / p * batch_size))
+
     def explore_limit(self, batch_size: int) -> int:
         """The most proposals a step of this batch size may try: a bounded step past the
         largest proposal count whose cost is measured."""
@@ -284,7 +290,7 @@ class AdaptiveSpeculation:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], limits: list[int], pinned: list[bool] | None = None,
-             plan_first: bool = False) -> list[int]:
+             plan_first: bool = False, closed: bool = False) -> list[int]:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). plan_first=True: a draft model
         (the batch runs a measured cap, see batch_cap.py; last_cap says which)."""
@@ -306,7 +312,7 @@ class AdaptiveSpeculation:
             else:
                 candidates.extend((self.gain(accept[i], j), j, i) for j in range(1, limit + 1))
         if candidates:
-            self._choose(n, ks, accept, candidates)
+            self._choose(n, ks, accept, candidates, closed)
         if plan_first:
             self._cap(n, ks, own, accept, pinned)
             self._probe_pinned(seq_ids, limits, ks, pinned)
@@ -358,8 +364,19 @@ class AdaptiveSpeculation:
         return expected / cost[fixed] * (MIN_GAIN if fixed == 0 else 1.0)
 
     def _choose(self, n: int, ks: list[int], accept: list[list[float]],
-                candidates: list[tuple[float, int, int]]) -> None:
-        """Extend ks by the prefix of candidates with the best predicted tokens per second."""
+                candidates: list[tuple[float, int, int]], closed: bool = False) -> None:
+        """Extend ks by the prefix of candidates with the best predicted tokens per second.
+
+        closed: no request is waiting, so a sequence that finishes early frees a row that
+        nobody takes, and the batch is done when its slowest sequences are. An extra token
+        then shortens the run only as far as the whole batch advances, which a step
+        speculating on a share f of the batch does for about f of its tokens; the others only
+        save their row of a later step, worth that row's marginal cost (the measured cost per
+        proposal times B, in plain steps: ~0.7 on a CPU at batch 32, where rows cost linearly,
+        nearly 0 on a GPU). So extra tokens count f + (1 - f) * that: speculation on a batch
+        whose sequences all copy their input still pays, marginal bets on two sequences of
+        32 do not (measured: "[ngram]" on chat prompts at batch 32 on the CPU speculated on
+        5 % of steps and ran 0.92-0.95x with every token counted fully)."""
         fixed = sum(ks)  # pinned proposals
         cost = self._step_cost(n, fixed + len(candidates))
         if cost is None:
@@ -370,8 +387,12 @@ class AdaptiveSpeculation:
         if not candidates:
             return
         # predicted tokens per plain step with the first m candidates, m = 1..len
-        rates = (expected + np.cumsum([gain for gain, _, _ in candidates])
-                 ) / cost[fixed + 1 : fixed + 1 + len(candidates)]
+        extra = np.cumsum([gain for gain, _, _ in candidates])
+        if closed:  # the first candidate of each sequence (j = 1) comes before its others
+            share = np.cumsum([j == 1 for _, j, _ in candidates]) / n
+            row = self.costs.row_value(n)
+            extra *= share + (1.0 - share) * row
+        rates = (expected + extra) / cost[fixed + 1 : fixed + 1 + len(candidates)]
         best = int(np.argmax(rates))  # the first of equal rates: the fewest proposals
         best_m = best + 1 if rates[best] > self._rate_to_beat(expected, cost, fixed) else 0
         for _, j, i in candidates[:best_m]:

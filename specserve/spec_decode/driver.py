@@ -67,11 +67,12 @@ class SpeculationDriver:
         return max(k, 0)
 
     def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
-                on_device: bool = False
+                on_device: bool = False, closed: bool = False
                 ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
         """Proposals per sampled sequence ([] for none), their distributions ([S, K, V]) and,
         when on_device allowed it (the step verifies greedily), the proposals still on the
-        device ([S, K]: the lists then hold placeholders of the right lengths)."""
+        device ([S, K]: the lists then hold placeholders of the right lengths). closed: no
+        request is waiting (see AdaptiveSpeculation._choose)."""
         proposals: list[list[int]] = [[] for _ in sampled]
         decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
         seqs = [s.seq for _, s in decoding]
@@ -95,7 +96,8 @@ class SpeculationDriver:
                 # Draft-free proposals are cheap: find them first, then keep what pays.
                 found = self.proposer.propose(seqs, ks).token_ids
                 found = [t[:k] for t, k in zip(found, ks, strict=True)]
-                ks = self.adaptive.plan(ids, [len(t) for t in found], pinned=pinned)
+                ks = self.adaptive.plan(ids, [len(t) for t in found], pinned=pinned,
+                                        closed=closed)
                 for (i, _), seq, tokens, k in zip(decoding, seqs, found, ks, strict=True):
                     proposals[i] = tokens[:k]
                     if k == 0 and tokens and seq.seq_id not in self._shadows:
