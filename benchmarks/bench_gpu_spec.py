@@ -879,8 +879,8 @@ def main() -> int:
         step_shape: dict[str, int] = {}  # this step's proposals and draft catch-up tokens
         propose, replay_propose = driver.propose, replay.propose
 
-        def propose_logged(scheduled, sampled, on_device=False):
-            out = propose(scheduled, sampled, on_device)
+        def propose_logged(scheduled, sampled, on_device=False, **kwargs):
+            out = propose(scheduled, sampled, on_device, **kwargs)
             step_shape["proposals"] = sum(len(p) for p in out[0])
             return out
 
