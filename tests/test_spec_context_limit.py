@@ -43,8 +43,8 @@ class Spy:
         engine.scheduler.schedule = spy_schedule
         propose = engine.speculation.propose
 
-        def spy_propose(scheduled, sampled, on_device=False):
-            proposals, probs, pending = propose(scheduled, sampled, on_device)
+        def spy_propose(scheduled, sampled, *args, **kwargs):
+            proposals, probs, pending = propose(scheduled, sampled, *args, **kwargs)
             for s, p in zip(sampled, proposals, strict=True):
                 self.proposals.append((s.seq.num_tokens, len(p)))
             return proposals, probs, pending
