@@ -17,6 +17,7 @@ from specserve.spec_decode.adaptive import (
     SEQ_MIN_GAIN,
     AdaptiveSpeculation,
     StepCosts,
+    row_value,
 )
 from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket
 from specserve.spec_decode.driver import SpeculationDriver
@@ -416,4 +417,4 @@ def test_a_closed_batch_counts_extra_tokens_of_a_few_sequences_less():
     for seq_id in batch:
         _train(row_linear, seq_id, 0.95)
     assert sum(row_linear.plan(batch, [5] * 32, closed=True)) > 32
-    assert row_linear.costs.row_value(32) == pytest.approx(0.7, rel=0.01)
+    assert row_value(row_linear.costs.ratio_curve(32), 32) == pytest.approx(0.7, rel=0.01)

@@ -180,18 +180,6 @@ class StepCosts:
                                min(r for _, r in values)))
         return points
 
-    def row_value(self, batch_size: int) -> float:
-        """What one row of a decode step costs as a share of a plain step's cost per token,
-        from the measured cost per proposal (0 until one is measured, at most 1)."""
-        p, ratio = self.ratio_curve(batch_size)[-1]
-        return 0.0 if p == 0 else min(1.0, max(0.0, (ratio - 1.0) / p * batch_size))
-
-    def explore_limit(self, batch_size: int) -> int:
-        """The most proposals a step of this batch size may try: a bounded step past the
-        largest proposal count whose cost is measured."""
-        measured = self.ratio_curve(batch_size)[-1][0]
-        return max(EXPLORE_MIN, int(EXPLORE_FACTOR * measured))
-
     def switch_penalty(self, batch_size: int) -> float:
         """Expected extra cost (in plain steps) that one speculative step causes afterwards."""
         r = self._bucket_low(self.after, batch_size)
@@ -208,6 +196,19 @@ def proposal_bucket(p: int) -> int:
     if p <= 8:
         return p
     return 8 + round(4 * math.log2(p / 8))
+
+
+def explore_limit(points: list[tuple[float, float]]) -> int:
+    """The most proposals a step may try, given its batch's measured cost curve (ratio_curve):
+    a bounded step past the largest proposal count whose cost is measured."""
+    return max(EXPLORE_MIN, int(EXPLORE_FACTOR * points[-1][0]))
+
+
+def row_value(points: list[tuple[float, float]], batch_size: int) -> float:
+    """What one row of a decode step costs as a share of a plain step's cost per token, from
+    the measured cost per proposal of a cost curve (0 until one is measured, at most 1)."""
+    p, ratio = points[-1]
+    return 0.0 if p == 0 else min(1.0, max(0.0, (ratio - 1.0) / p * batch_size))
 
 
 def _cost_table(points: list[tuple[float, float]], max_p: int,
@@ -241,8 +242,8 @@ class AdaptiveSpeculation:
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
     caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
-    borrowed_steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps run on
-    # a larger bucket's measurements since its plain time was last unknown-and-measured
+    # batch bucket -> steps in a row it ran on a larger bucket's cap measurements
+    borrowed_steps: dict[int, int] = field(default_factory=dict)
     last_cap: int | None = None  # the cap the last plan(plan_first=True) ran
 
     # ---- acceptance ------------------------------------------------------------------------
@@ -345,13 +346,6 @@ class AdaptiveSpeculation:
         for i in unpinned:
             ks[i] = min(cap, own[i])
 
-    def _step_cost(self, n: int, max_p: int) -> np.ndarray | None:
-        """cost[p], p = 0..max_p: a step with p proposals over a batch of n, in plain steps;
-        None if plain decoding at n is not measured yet."""
-        if self.costs.plain_time(n) is None:
-            return None
-        return _cost_table(self.costs.ratio_curve(n), max_p, self.costs.switch_penalty(n))
-
     def _expected(self, n: int, ks: list[int], accept: list[list[float]]) -> float:
         """Expected tokens a step emits when sequence i proposes ks[i] tokens."""
         return n + sum(sum(self.gain(a, j) for j in range(1, k + 1))
@@ -378,20 +372,21 @@ class AdaptiveSpeculation:
         32 do not (measured: "[ngram]" on chat prompts at batch 32 on the CPU speculated on
         5 % of steps and ran 0.92-0.95x with every token counted fully)."""
         fixed = sum(ks)  # pinned proposals
-        cost = self._step_cost(n, fixed + len(candidates))
-        if cost is None:
+        if self.costs.plain_time(n) is None:
             return  # this batch size has not been measured yet: this plain step measures it
+        points = self.costs.ratio_curve(n)
+        # cost[p], p = 0..: a step with p proposals over this batch, in plain steps
+        cost = _cost_table(points, fixed + len(candidates), self.costs.switch_penalty(n))
         expected = self._expected(n, ks, accept)
         candidates.sort(key=lambda c: (-c[0], c[1]))  # j-th before (j+1)-th of a sequence
-        del candidates[max(self.costs.explore_limit(n) - fixed, 0):]
+        del candidates[max(explore_limit(points) - fixed, 0):]
         if not candidates:
             return
         # predicted tokens per plain step with the first m candidates, m = 1..len
         extra = np.cumsum([gain for gain, _, _ in candidates])
         if closed:  # the first candidate of each sequence (j = 1) comes before its others
             share = np.cumsum([j == 1 for _, j, _ in candidates]) / n
-            row = self.costs.row_value(n)
-            extra *= share + (1.0 - share) * row
+            extra *= share + (1.0 - share) * row_value(points, n)
         rates = (expected + extra) / cost[fixed + 1 : fixed + 1 + len(candidates)]
         best = int(np.argmax(rates))  # the first of equal rates: the fewest proposals
         best_m = best + 1 if rates[best] > self._rate_to_beat(expected, cost, fixed) else 0

@@ -121,14 +121,20 @@ class _ContextLayout(_Layout):
                 _gather_blocks(v_cache, self.block_ids, num_seqs, self.max_k))
 
 
+def _context_length_mask(meta: AttentionMetadata, max_k: int) -> _AdditiveMask | None:
+    """[S, 1, 1, K] "key < this sequence's length" for one query per sequence over contexts
+    gathered to max_k keys; None when every context is exactly max_k long (no mask needed)."""
+    if min(meta.seq_lens_host) == max_k:
+        return None
+    k_pos = torch.arange(max_k, device=meta.seq_lens.device)  # [K]
+    allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
+    return _AdditiveMask(allowed[:, None, None, :])
+
+
 class _DecodeLayout(_ContextLayout):
     def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
         super().__init__(meta, mirror)
-        self.mask = None  # equal context lengths: the gathered keys are exactly the context
-        if min(meta.seq_lens_host) != self.max_k:
-            k_pos = torch.arange(self.max_k, device=meta.seq_lens.device)  # [K]
-            allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
-            self.mask = _AdditiveMask(allowed[:, None, None, :])  # [S, 1, 1, K]
+        self.mask = _context_length_mask(meta, self.max_k)
 
     def attend(self, query, k_cache, v_cache, scale):
         s, num_heads, head_dim = query.shape
@@ -222,12 +228,9 @@ class _SplitLayout(_ContextLayout):
         super().__init__(meta, mirror)
         device = meta.slot_mapping.device
         s = meta.num_seqs
-        self.last_rows = meta.query_start_loc[1:].to(torch.int64) - 1  # [S]: each run's last
-        self.decode_mask = None  # query, which sees the run's whole context
-        if min(meta.seq_lens_host) != self.max_k:
-            k_pos = torch.arange(self.max_k, device=device)  # [K]
-            allowed = k_pos[None, :] < meta.seq_lens[:, None].to(torch.int64)  # [S, K]
-            self.decode_mask = _AdditiveMask(allowed[:, None, None, :])  # [S, 1, 1, K]
+        # [S]: each run's last query, which sees the run's whole context, as a decode does
+        self.last_rows = meta.query_start_loc[1:].to(torch.int64) - 1
+        self.decode_mask = _context_length_mask(meta, self.max_k)
         # The longer runs' other E = q - 1 queries, one sequence at a time: its context is a
         # view of the step's context (no copy), its queries see keys [0, start + e] for the
         # query at offset e, i.e. the first start + E keys with a bottom-right causal mask.
