@@ -21,8 +21,8 @@ gathers and one kernel, with every index and mask built once and shared by all l
 * ``_SplitLayout`` - mostly one-token runs with a few longer ones (a large batch in which only
   some sequences verify proposals, or decodes beside a prompt chunk), where padding every run
   to the longest would multiply the attention work: every run's last query goes through the
-  decode layout's computation, and only the longer runs' other queries through a padded batch
-  of those sequences.
+  decode layout's computation, and only the longer runs' other queries are attended, one
+  sequence at a time, against views of that sequence's context.
 
 Padding is cheap at CPU batch sizes and keeps the number of ops per layer constant, which
 matters more on CPU (30 layers x per-op dispatch) than the wasted FLOPs.
@@ -131,21 +131,27 @@ def _context_length_mask(meta: AttentionMetadata, max_k: int) -> _AdditiveMask |
     return _AdditiveMask(allowed[:, None, None, :])
 
 
+def _attend_one_query_per_sequence(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   mask: _AdditiveMask | None, scale: float) -> torch.Tensor:
+    """query [S, H, D] (one row per sequence) against k, v [S, KvH, K, D] -> [S, H, D].
+
+    The G = H / KvH query heads sharing a KV head become G query rows of that head (HF maps
+    query head h to KV head h // G, which is exactly this view): no KV repeat."""
+    s, num_heads, head_dim = query.shape
+    q = query.reshape(s, k.shape[1], num_heads // k.shape[1], head_dim)  # [S, KvH, G, D]
+    attn_mask = None if mask is None else mask.get(query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return out.reshape(s, num_heads, head_dim)  # [S, KvH, G, D] -> [S, H, D]
+
+
 class _DecodeLayout(_ContextLayout):
     def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None) -> None:
         super().__init__(meta, mirror)
         self.mask = _context_length_mask(meta, self.max_k)
 
     def attend(self, query, k_cache, v_cache, scale):
-        s, num_heads, head_dim = query.shape
-        kv_heads = k_cache.shape[2]
-        # The G = H / KvH query heads sharing a KV head become G query rows of that head (HF
-        # maps query head h to KV head h // G, which is exactly this view): no KV repeat.
-        q = query.reshape(s, kv_heads, num_heads // kv_heads, head_dim)  # [S, KvH, G, D]
-        k, v = self.context(k_cache, v_cache, s)  # [S, KvH, K, D] each
-        mask = None if self.mask is None else self.mask.get(query.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(s, num_heads, head_dim)  # [S, KvH, G, D] -> [T, H, D]
+        k, v = self.context(k_cache, v_cache, query.shape[0])  # [S, KvH, K, D] each
+        return _attend_one_query_per_sequence(query, k, v, self.mask, scale)  # [T, H, D]
 
 
 def _padded_query_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,11 +264,8 @@ class _SplitLayout(_ContextLayout):
         kv_heads = k_cache.shape[2]
         groups = num_heads // kv_heads
         k, v = self.context(k_cache, v_cache, s)  # [S, KvH, K, D] each
-        # Last queries: grouped-query heads folded into the query axis, as in _DecodeLayout.
-        q = query.index_select(0, self.last_rows).view(s, kv_heads, groups, head_dim)
-        mask = None if self.decode_mask is None else self.decode_mask.get(query.dtype)
-        outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale
-                                               ).reshape(s, num_heads, head_dim)]
+        outs = [_attend_one_query_per_sequence(query.index_select(0, self.last_rows), k, v,
+                                               self.decode_mask, scale)]  # [S, H, D]
         masks = self._masks.get((query.dtype, groups))
         if masks is None:  # built once per step: [G * E, keys] additive, rows g-major
             masks = self._masks[(query.dtype, groups)] = [
@@ -280,8 +283,8 @@ class _SplitLayout(_ContextLayout):
 
 
 def _padding_dominates(meta: AttentionMetadata) -> bool:
-    """Padding every run to the longest would at least double the query rows (and a split
-    leaves the longer runs' padded batch no bigger than that)."""
+    """Padding every run to the longest would at least double the query rows: then the split
+    layout (no padding, one extra attention call per longer run) is the cheaper one."""
     return meta.num_seqs * meta.max_query_len >= 2 * meta.num_tokens
 
 
