@@ -984,6 +984,9 @@ def main() -> int:
             base = plain_run(b32, new32)
             rate, outs, acc, stats = spec_run(b32, new32, a, True)
             base = max(base, plain_run(b32, new32))  # plain before and after: the faster
+            again = spec_run(b32, new32, a, True)  # ... against the faster of two here too
+            if again[0] > rate:
+                rate, outs, acc, stats = again
             plain_beside.append(base)
             same = sum(o == r for o, r in zip(outs, calib32, strict=True))
             rows.append((len(b32), a, acc, rate, rate / base, float("nan"),

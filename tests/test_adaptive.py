@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from specserve.sampling_params import SamplingParams
@@ -17,9 +18,10 @@ from specserve.spec_decode.adaptive import (
     SEQ_MIN_GAIN,
     AdaptiveSpeculation,
     StepCosts,
+    _variance,
     row_value,
 )
-from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket
+from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket, makespan_stretch
 from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
@@ -418,3 +420,57 @@ def test_a_closed_batch_counts_extra_tokens_of_a_few_sequences_less():
         _train(row_linear, seq_id, 0.95)
     assert sum(row_linear.plan(batch, [5] * 32, closed=True)) > 32
     assert row_value(row_linear.costs.ratio_curve(32), 32) == pytest.approx(0.7, rel=0.01)
+
+
+def _simulated_stretch(a: float, k: int, remaining: int, batch: int, trials: int) -> float:
+    """Makespan of a closed batch in which each sequence gains 1 + (its accepted proposals:
+    P(>= j) = a^j, j <= k) tokens a step, over its steps at the mean pace."""
+    rng = np.random.default_rng(0)
+    gains = np.array([a ** j for j in range(1, k + 1)])
+    p_count = np.append(-np.diff(np.concatenate([[1.0], gains])), gains[-1])  # P(X = 0..k)
+    steps = []
+    for _ in range(trials):
+        pos, n = np.zeros(batch), 0
+        while (pos < remaining).any():
+            pos += 1 + rng.choice(k + 1, size=batch, p=p_count)
+            n += 1
+        steps.append(n)
+    return float(np.mean(steps)) / (remaining / (1.0 + gains.sum()))
+
+
+@pytest.mark.parametrize("a, k, remaining, batch", [
+    (0.5, 1, 128, 32), (0.7, 2, 128, 32), (0.9, 4, 128, 32), (0.7, 2, 20, 8)])
+def test_makespan_stretch_matches_a_simulation(a, k, remaining, batch):
+    gains = [[a ** j for j in range(1, k + 1)]]
+    mean = 1.0 + sum(gains[0])
+    estimate = makespan_stretch(mean, _variance(gains, k), [remaining] * batch)
+    assert estimate == pytest.approx(_simulated_stretch(a, k, remaining, batch, 300), rel=0.025)
+    assert makespan_stretch(mean, _variance(gains, k), [remaining]) < estimate  # fewer to wait for
+    assert makespan_stretch(mean, 0.0, [remaining] * batch) == 1.0  # plain decoding
+
+
+def test_a_closed_batch_prices_draft_caps_by_its_slowest_sequence():
+    """Batch 32 of 128 tokens each, a draft whose cap-c steps cost 1.12 + 0.24 c plain steps
+    (the H200 with a 1B draft for an 8B target). At acceptance 0.5 cap 1 gains ~10 % per
+    step, which an open batch takes; a closed one waits for its slowest sequence (~8 %
+    longer at that pace) and decodes plainly. At 0.7 speculation still pays closed (cap 2;
+    open, caps 2 and 3 are within 1 %)."""
+    for acceptance, open_caps, closed_cap in ((0.5, {1}, 0), (0.7, {2, 3}, 2)):
+        policy = AdaptiveSpeculation(4)
+        batch = list(range(32))
+        for seq_id in batch:  # each proposal accepted (after an accepted one) at this rate
+            policy.acceptance[seq_id] = [acceptance, acceptance]
+            policy.continuation_trials[seq_id] = 100
+        policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+        for _ in range(8):
+            for cap in range(1, 5):
+                policy.caps.observe(policy.costs.step, 32, cap,
+                                    PLAIN_SECONDS * (1.12 + 0.24 * cap), PLAIN_SECONDS)
+        policy.plan(batch, [4] * 32, plan_first=True)
+        assert policy.last_cap in open_caps, acceptance
+        policy.caps.current.clear()
+        policy.plan(batch, [4] * 32, plan_first=True, closed=True, remaining=[128] * 32)
+        assert policy.last_cap == closed_cap, acceptance
+        policy.caps.current.clear()
+        policy.plan(batch, [4] * 32, plan_first=True, remaining=[128] * 32)  # open: ignored
+        assert policy.last_cap in open_caps, acceptance

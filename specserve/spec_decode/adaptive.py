@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.spec_decode.batch_cap import CapCosts, batch_bucket
+from specserve.spec_decode.batch_cap import CapCosts, batch_bucket, makespan_stretch
 
 EMA_WEIGHT = 0.3  # weight of the newest verification in a sequence's acceptance average
 PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before any data
@@ -226,6 +226,18 @@ def _cost_table(points: list[tuple[float, float]], max_p: int,
     return table
 
 
+def _variance(gains: list[list[float]], cap: int) -> float:
+    """Variance of the tokens a step brings one sequence under a cap, averaged over sequences
+    (gains[i][j - 1] = P(its proposals 1..j all accepted)): the accepted count X has
+    E[X] = sum_j g_j and E[X^2] = sum_j (2j - 1) g_j."""
+    total = 0.0
+    for g in gains:
+        g = g[:cap]
+        mean = sum(g)
+        total += sum((2 * j + 1) * p for j, p in enumerate(g)) - mean * mean
+    return total / max(len(gains), 1)
+
+
 @dataclass
 class AdaptiveSpeculation:
     max_k: int
@@ -291,10 +303,13 @@ class AdaptiveSpeculation:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], limits: list[int], pinned: list[bool] | None = None,
-             plan_first: bool = False, closed: bool = False) -> list[int]:
+             plan_first: bool = False, closed: bool = False,
+             remaining: list[int] | None = None) -> list[int]:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). plan_first=True: a draft model
-        (the batch runs a measured cap, see batch_cap.py; last_cap says which)."""
+        (the batch runs a measured cap, see batch_cap.py; last_cap says which). closed: no
+        request is waiting; remaining: then, each sequence's tokens still to go at most
+        (a draft model's caps are priced by when the slowest sequence finishes)."""
         self.costs.step += 1
         n = len(seq_ids)
         pinned = pinned or [False] * n
@@ -315,14 +330,16 @@ class AdaptiveSpeculation:
         if candidates:
             self._choose(n, ks, accept, candidates, closed)
         if plan_first:
-            self._cap(n, ks, own, accept, pinned)
+            self._cap(n, ks, own, accept, pinned, remaining if closed else None)
             self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
 
     def _cap(self, n: int, ks: list[int], own: list[int], accept: list[list[float]],
-             pinned: list[bool]) -> None:
+             pinned: list[bool], remaining: list[int] | None = None) -> None:
         """A draft model's batch cap (batch_cap.py): every unpinned sequence proposes
-        min(cap, its own k). Plain decoding until the plain step time is measured."""
+        min(cap, its own k). Plain decoding until the plain step time is measured.
+        remaining (a closed batch): tokens each sequence has left; each cap's expected tokens
+        are divided by the closed batch's makespan stretch under it (batch_cap.py)."""
         unpinned = [i for i in range(n) if not pinned[i]]
         self.last_cap = None if not unpinned else 0
         if not unpinned:
@@ -342,6 +359,10 @@ class AdaptiveSpeculation:
         # expected tokens per unpinned sequence under each cap
         expected = [1.0 + sum(sum(g[:c]) for g in gains) / len(unpinned)
                     for c in range(self.max_k + 1)]
+        if remaining is not None:
+            left = [remaining[i] for i in unpinned]
+            expected = [e / makespan_stretch(e, _variance(gains, c), left)
+                        for c, e in enumerate(expected)]
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected)
         for i in unpinned:
             ks[i] = min(cap, own[i])

@@ -66,6 +66,13 @@ class SpeculationDriver:
                 self.metrics.total.num_past_spec_max_len += 1
         return max(k, 0)
 
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens a sequence may still generate: its max_tokens, or the context's end."""
+        left = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return max(left, 0)
+
     def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
                 on_device: bool = False, closed: bool = False
                 ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
@@ -105,7 +112,9 @@ class SpeculationDriver:
                         self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
                 self._step.num_proposals = sum(ks)
                 return proposals, None, None
-            ks = self.adaptive.plan(ids, ks, pinned=pinned, plan_first=True)
+            ks = self.adaptive.plan(ids, ks, pinned=pinned, plan_first=True, closed=closed,
+                                    remaining=[self._remaining(seq) for seq in seqs]
+                                    if closed else None)
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None, None
