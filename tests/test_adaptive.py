@@ -18,7 +18,6 @@ from specserve.spec_decode.adaptive import (
     SEQ_MIN_GAIN,
     AdaptiveSpeculation,
     StepCosts,
-    _variance,
     row_value,
 )
 from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket, makespan_stretch
@@ -441,11 +440,12 @@ def _simulated_stretch(a: float, k: int, remaining: int, batch: int, trials: int
 @pytest.mark.parametrize("a, k, remaining, batch", [
     (0.5, 1, 128, 32), (0.7, 2, 128, 32), (0.9, 4, 128, 32), (0.7, 2, 20, 8)])
 def test_makespan_stretch_matches_a_simulation(a, k, remaining, batch):
-    gains = [[a ** j for j in range(1, k + 1)]]
-    mean = 1.0 + sum(gains[0])
-    estimate = makespan_stretch(mean, _variance(gains, k), [remaining] * batch)
+    gains = np.array([a ** j for j in range(1, k + 1)])
+    mean = 1.0 + gains.sum()
+    variance = ((2 * np.arange(1, k + 1) - 1) * gains).sum() - gains.sum() ** 2
+    estimate = makespan_stretch(mean, variance, [remaining] * batch)
     assert estimate == pytest.approx(_simulated_stretch(a, k, remaining, batch, 300), rel=0.025)
-    assert makespan_stretch(mean, _variance(gains, k), [remaining]) < estimate  # fewer to wait for
+    assert makespan_stretch(mean, variance, [remaining]) < estimate  # fewer to wait for
     assert makespan_stretch(mean, 0.0, [remaining] * batch) == 1.0  # plain decoding
 
 
@@ -474,3 +474,26 @@ def test_a_closed_batch_prices_draft_caps_by_its_slowest_sequence():
         policy.caps.current.clear()
         policy.plan(batch, [4] * 32, plan_first=True, remaining=[128] * 32)  # open: ignored
         assert policy.last_cap in open_caps, acceptance
+
+
+def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
+    """Plain decoding is best as far as anything is measured (here: nothing, as after every
+    cap sample expired). An open batch tries a cap, and so does a closed batch at its start
+    (the draft's catch-up is the prompts); a closed batch that has generated a while does
+    not: the catch-up over every context costs more than it can win back before it ends."""
+    policy = AdaptiveSpeculation(4)
+    batch = list(range(32))
+    for seq_id in batch:
+        policy.acceptance[seq_id] = [0.3, 0.3]
+        policy.continuation_trials[seq_id] = 100
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+
+    def cap(**closed) -> int:
+        policy.caps = CapCosts()  # nothing measured
+        policy.plan(batch, [4] * 32, plan_first=True, **closed)
+        return policy.last_cap
+
+    assert cap() > 0
+    assert cap(closed=True, remaining=[128] * 32, generated=[3] * 32) > 0
+    assert cap(closed=True, remaining=[100] * 32, generated=[28] * 32) == 0
+    assert cap(remaining=[100] * 32, generated=[28] * 32) > 0  # open: ignored

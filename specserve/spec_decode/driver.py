@@ -92,8 +92,9 @@ class SpeculationDriver:
                 pure = len(decoding) == len(scheduled) and all(
                     s.num_new_tokens == 1 for s in scheduled)
                 self._step = _Step(len(decoding), 0, pure)
-            for seq in seqs:
-                self._resolve_shadow(seq)
+            if self._shadows:
+                for seq in seqs:
+                    self._resolve_shadow(seq)
         if not any(ks):
             return proposals, None, None
         if self.adaptive is not None:
@@ -112,9 +113,10 @@ class SpeculationDriver:
                         self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
                 self._step.num_proposals = sum(ks)
                 return proposals, None, None
-            ks = self.adaptive.plan(ids, ks, pinned=pinned, plan_first=True, closed=closed,
-                                    remaining=[self._remaining(seq) for seq in seqs]
-                                    if closed else None)
+            ks = self.adaptive.plan(
+                ids, ks, pinned=pinned, plan_first=True, closed=closed,
+                remaining=[self._remaining(seq) for seq in seqs] if closed else None,
+                generated=[seq.num_output_tokens for seq in seqs] if closed else None)
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None, None
