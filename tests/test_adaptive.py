@@ -497,3 +497,30 @@ def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
     assert cap(closed=True, remaining=[128] * 32, generated=[3] * 32) > 0
     assert cap(closed=True, remaining=[100] * 32, generated=[28] * 32) == 0
     assert cap(remaining=[100] * 32, generated=[28] * 32) > 0  # open: ignored
+
+
+def test_a_closed_batch_charges_turning_speculation_on_with_the_drafts_catch_up():
+    """Acceptance 0.5, a cap of 1 costing 1.28 plain steps: it pays in a closed batch of 128
+    tokens a sequence if the draft is caught up, not if it first has to run 4143 tokens that
+    cost 6 plain steps (the prompts' prefill at batch 32), spread over the ~85 steps left.
+    Once speculating, the catch-up is not charged again."""
+    policy = AdaptiveSpeculation(4)
+    batch = list(range(32))
+    for seq_id in batch:
+        policy.acceptance[seq_id] = [0.5, 0.5]
+        policy.continuation_trials[seq_id] = 100
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    for _ in range(8):
+        for cap in range(1, 5):
+            policy.caps.observe(policy.costs.step, 32, cap,
+                                PLAIN_SECONDS * (1.04 + 0.24 * cap), PLAIN_SECONDS)
+    policy.caps.observe_catch_up(policy.costs.step, 4143, 6 * PLAIN_SECONDS)
+    closed = dict(closed=True, remaining=[128] * 32, generated=[0] * 32)
+
+    def cap(lag: int) -> int:
+        policy.plan(batch, [4] * 32, plan_first=True, lag=lag, **closed)
+        return policy.last_cap
+
+    assert cap(lag=4143) == 0
+    assert cap(lag=0) == 1
+    assert cap(lag=4143) == 1  # already on: nothing to catch up on by staying on

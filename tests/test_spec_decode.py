@@ -261,3 +261,29 @@ def test_verification_mixed_with_prefill_chunks(tiny_llama, tiny_llama_draft, ll
     outs = llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)
     assert _tokens(outs) == llama_reference
     assert mixed_steps > 0
+
+
+def test_a_closed_batch_tells_the_policy_the_drafts_lag(tiny_llama, tiny_llama_draft,
+                                                        test_prompts):
+    """With nobody waiting, the driver hands the adaptive policy each sequence's remaining and
+    generated tokens and the draft's lag (the tokens it would catch up on before proposing:
+    the prompts, before it ever ran)."""
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
+    engine = llm.llm_engine
+    driver, seen = engine.speculation, []
+    plan = driver.adaptive.plan
+
+    def spy(ids, limits, *args, **kwargs):
+        seqs = [s for r in engine.requests.values() for s in r.seqs if s.seq_id in ids]
+        seen.append((kwargs, driver.proposer.catch_up_tokens(seqs),
+                     sum(max(s.num_tokens - 2, 0) for s in seqs)))
+        return plan(ids, limits, *args, **kwargs)
+
+    driver.adaptive.plan = spy
+    for i, prompt in enumerate(test_prompts[:3]):
+        engine.add_request(str(i), prompt, _greedy(10))
+    while engine.has_unfinished_requests():
+        engine.step()
+    kwargs, lag, prompts = seen[0]
+    assert kwargs["closed"] and kwargs["lag"] == lag == prompts > 0  # the draft never ran
+    assert kwargs["remaining"] == [9, 9, 9] and kwargs["generated"] == [1, 1, 1]

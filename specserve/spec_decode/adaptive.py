@@ -293,14 +293,15 @@ class AdaptiveSpeculation:
     # ---- planning --------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], limits: list[int], pinned: list[bool] | None = None,
              plan_first: bool = False, closed: bool = False,
-             remaining: list[int] | None = None, generated: list[int] | None = None
-             ) -> list[int]:
+             remaining: list[int] | None = None, generated: list[int] | None = None,
+             lag: int = 0) -> list[int]:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). plan_first=True: a draft model
         (the batch runs a measured cap, see batch_cap.py; last_cap says which). closed: no
         request is waiting; then remaining: each sequence's tokens still to go at most (a
         draft model's caps are priced by when the slowest sequence finishes), and generated:
-        the tokens each has generated (a closed batch past its start does not try caps)."""
+        the tokens each has generated (a closed batch past its start does not try caps) and
+        lag: the tokens the draft would catch up on before proposing (batch_cap.py)."""
         self.costs.step += 1
         n = len(seq_ids)
         pinned = pinned or [False] * n
@@ -318,13 +319,13 @@ class AdaptiveSpeculation:
             self._choose(n, ks, accept, candidates, closed)
         if plan_first:
             self._cap(n, ks, limits, accept, pinned, remaining if closed else None,
-                      generated if closed else None)
+                      generated if closed else None, lag)
             self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
 
     def _cap(self, n: int, ks: list[int], limits: list[int], accept: list[list[float]],
              pinned: list[bool], remaining: list[int] | None = None,
-             generated: list[int] | None = None) -> None:
+             generated: list[int] | None = None, lag: int = 0) -> None:
         """A draft model's batch cap (batch_cap.py): every unpinned sequence proposes
         min(cap, its own k), where its own k is the longest run of proposals whose gains stay
         above SEQ_MIN_GAIN (at least one, within its limit). Plain decoding until the plain
@@ -341,7 +342,14 @@ class AdaptiveSpeculation:
         32 on the H200, 6159 tokens, 42 ms or 7 plain steps, mid-run; a batch that nobody
         joins ends within its remaining tokens, and on its measurements of a moment ago it
         cannot win that back. At its start the catch-up is the prompts, and new text may
-        accept differently, so a young batch still tries."""
+        accept differently, so a young batch still tries.
+
+        lag (a closed batch that is not speculating): turning speculation on first makes the
+        draft catch up on `lag` tokens, at the measured seconds per catch-up token; that
+        one-time cost is spread over the steps the batch has left at each cap's pace and
+        added to the cap's cost. At batch 32 on the H200 the draft's prefill of the prompts
+        (4143 tokens, ~17 ms, ~3 plain steps) and the spread of the batch's end together
+        ate the ~10 % a cap of 1 gains per step at acceptance 0.5."""
         unpinned = [i for i in range(n) if not pinned[i]]
         self.last_cap = None if not unpinned else 0
         if not unpinned:
@@ -373,12 +381,31 @@ class AdaptiveSpeculation:
             left = [remaining[i] for i in unpinned]
             expected = expected / np.array([makespan_stretch(e, v, left)
                                             for e, v in zip(expected, variance, strict=True)])
+        if remaining is not None and lag and self.caps.current.get(batch_bucket(n), 0) == 0:
+            expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         settled = generated is not None and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
                                                explore_from_plain=not settled)
         for i, k in zip(unpinned, own.tolist(), strict=True):
             ks[i] = min(cap, k)
+
+    def _charge_catch_up(self, n: int, expected: np.ndarray, lag: int,
+                         longest: int) -> np.ndarray:
+        """expected tokens per cap, scaled so that each cap's speedup (expected / its cost
+        ratio) pays for a catch-up of `lag` tokens spread over its remaining steps."""
+        per_token = self.caps.catch_up_seconds(self.costs.step)
+        plain = self.costs.plain_time(n)
+        if per_token is None or plain is None or longest <= 0:
+            return expected
+        once = lag * per_token / plain  # the catch-up, in plain steps
+        charged = expected.copy()
+        for c in range(1, len(expected)):
+            ratio = self.caps.ratio(self.costs.step, n, c)
+            if ratio is not None:
+                steps = longest / expected[c]  # steps left at this cap's pace
+                charged[c] *= ratio / (ratio + once / steps)
+        return charged
 
     def _expected(self, n: int, ks: list[int], accept: list[list[float]]) -> float:
         """Expected tokens a step emits when sequence i proposes ks[i] tokens."""

@@ -90,6 +90,21 @@ class CapCosts:
     # (batch bucket, cap) -> [(step, step time / plain step time)]
     samples: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
     current: dict[int, int] = field(default_factory=dict)  # batch bucket -> cap last chosen
+    # [(step, seconds per token)] of the draft's catch-up forwards (its prefill, or catching up
+    # on steps it sat out): what turning speculation on costs, per token it has to feed
+    catch_up: list[tuple[int, float]] = field(default_factory=list)
+
+    def observe_catch_up(self, step: int, tokens: int, extra_seconds: float) -> None:
+        """A decode step whose draft caught up on `tokens` tokens took extra_seconds more than
+        the same step without the catch-up would have."""
+        if tokens > 0 and extra_seconds > 0.0:
+            self.catch_up.append((step, extra_seconds / tokens))
+            del self.catch_up[:-CAP_SAMPLES]
+
+    def catch_up_seconds(self, step: int) -> float | None:
+        """Seconds per catch-up token: the fastest live sample (None if none)."""
+        self.catch_up[:] = [s for s in self.catch_up if s[0] >= step - CAP_EXPIRY]
+        return min((v for _, v in self.catch_up), default=None)
 
     def observe(self, step: int, batch_size: int, cap: int, seconds: float,
                 plain_seconds: float) -> None:

@@ -65,6 +65,16 @@ class DraftModelProposer(Proposer):
             self.shadows[seq.seq_id] = shadow
         return shadow
 
+    def catch_up_tokens(self, seqs: list[Sequence]) -> int:
+        """The draft's lag: tokens of each sequence it has not run yet, beyond the last two
+        (the whole prompt for a sequence it never saw)."""
+        total = 0
+        for seq in seqs:
+            shadow = self.shadows.get(seq.seq_id)
+            computed = 0 if shadow is None else shadow.num_computed_tokens
+            total += max(seq.num_tokens - computed - 2, 0)
+        return total
+
     def free(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:

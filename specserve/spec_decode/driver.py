@@ -29,6 +29,7 @@ class _Step:
     num_proposals: int
     pure: bool  # only decode/verify runs, no prompt chunks (nor a long draft catch-up)
     cap: int | None = None  # a draft model's batch cap on k this step (batch_cap.py)
+    catch_up: int = 0  # a long draft catch-up's tokens, in a step of decodes only
 
 
 class SpeculationDriver:
@@ -116,7 +117,8 @@ class SpeculationDriver:
             ks = self.adaptive.plan(
                 ids, ks, pinned=pinned, plan_first=True, closed=closed,
                 remaining=[self._remaining(seq) for seq in seqs] if closed else None,
-                generated=[seq.num_output_tokens for seq in seqs] if closed else None)
+                generated=[seq.num_output_tokens for seq in seqs] if closed else None,
+                lag=self.proposer.catch_up_tokens(seqs) if closed else 0)
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None, None
@@ -138,7 +140,10 @@ class SpeculationDriver:
             if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):
                 # The draft prefilled or caught up on many tokens: a one-time cost that would
                 # make this cap look dear while the sample lives. (Small catch-ups, after a
-                # step or two of plain decoding, are measured.)
+                # step or two of plain decoding, are measured.) Its extra time prices the
+                # catch-up itself instead (AdaptiveSpeculation._cap).
+                if self._step.pure:
+                    self._step.catch_up = out.num_catch_up_tokens
                 self._step.pure = False
         return proposals, draft_probs, pending
 
@@ -165,13 +170,18 @@ class SpeculationDriver:
         if self.adaptive is None or step is None:
             return
         costs = self.adaptive.costs
+        caps = self.adaptive.caps
         if step.pure:
             costs.observe(step.batch_size, step.num_proposals, seconds,
                           after_spec=self._last_was_spec)
             plain = costs.plain_time(step.batch_size)
             if step.cap and plain is not None:
-                self.adaptive.caps.observe(costs.step, step.batch_size, step.cap, seconds,
-                                           plain)
+                caps.observe(costs.step, step.batch_size, step.cap, seconds, plain)
+        elif step.catch_up and step.cap:
+            plain = costs.plain_time(step.batch_size)
+            ratio = caps.ratio(costs.step, step.batch_size, step.cap)
+            if plain is not None and ratio is not None:
+                caps.observe_catch_up(costs.step, step.catch_up, seconds - ratio * plain)
         if self._last_was_spec:
             costs.observe_switch(step.num_proposals == 0)
         self._last_was_spec = step.num_proposals > 0

@@ -47,6 +47,12 @@ class Proposer(ABC):
         """Up to max_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, is fine).
         on_device: the proposals may stay on the device (DraftProposals.device_tokens)."""
 
+    def catch_up_tokens(self, seqs: list[Sequence]) -> int:
+        """Tokens a proposal for every one of seqs would first have to feed beyond the usual
+        two per sequence (DraftProposals.num_catch_up_tokens): what turning speculation on
+        costs right now. Stateless proposers feed nothing."""
+        return 0
+
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
                     num_accepted: int) -> None:
         """Called after seq committed num_accepted of num_proposed proposals (+1 token)."""
