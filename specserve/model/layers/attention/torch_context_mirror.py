@@ -77,6 +77,16 @@ class MirrorStep:
     # Compaction that brings a layer from version - 1 to version, applied in each layer's first
     # call of the step (the plan is made once per step, the buffers are per layer).
     moves: list[Move] = field(default_factory=list)
+    # layer's cache pointer -> its (K, V) rows for this step: an extend step asks twice per
+    # layer (write, then read), and slicing views costs more than a dict probe
+    _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (K, V) mirror rows, [S, capacity, KvH, D] each."""
+        views = self._views.get(k_cache.data_ptr())
+        if views is None:
+            views = self._views[k_cache.data_ptr()] = self.mirror.buffers(k_cache, self)
+        return views
 
     def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
         """key/value [T, KvH, D]: this step's new tokens (written on extend steps only)."""
@@ -92,13 +102,13 @@ class MirrorStep:
         gathers the context from the cache after the write)."""
         if not self.extend:
             return None
-        mk, mv = self.mirror.buffers(k_cache, self)
+        mk, mv = self.buffers(k_cache)
         return mk.view(-1, *mk.shape[2:]), mv.view(-1, *mv.shape[2:]), self.index
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V for keys [0, max_k): [S, KvH, K, D] strided views."""
-        mk, mv = self.mirror.buffers(k_cache, self)
+        mk, mv = self.buffers(k_cache)
         if not self.extend:  # the cache already holds this step's K/V (written first)
             block = k_cache.shape[1]
             torch.index_select(k_cache, 0, self.index, out=mk.view(-1, block, *mk.shape[2:]))
@@ -263,7 +273,7 @@ class ContextMirror:
                 held = self._buffers[key] = _LayerBuffers(
                     k_cache.new_empty(full), k_cache.new_empty(full), step.version)
             held.version = step.version
-        elif held.version != step.version:
+        elif held is None or held.version != step.version:
             assert held is not None, "an extend step reached a layer the mirror never built"
             assert held.version == step.version - 1 and step.moves, "a layer missed a step"
             for src, dst, n in step.moves:
