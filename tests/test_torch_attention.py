@@ -227,3 +227,55 @@ def test_a_few_longer_runs_in_a_decode_batch_are_split_off(pair, monkeypatch):
     pair.step(seqs, [s.run(1) for s in seqs])
     assert layouts == ["_PrefillLayout", "_DecodeLayout", "_SplitLayout", "_SplitLayout",
                        "_SplitLayout", "_DecodeLayout"]
+
+
+def test_a_shrinking_batch_compacts_the_mirror(pair, monkeypatch):
+    """Sequences leaving the batch (finished at different steps) keep the mirror: the kept rows
+    move inside the buffers instead of being gathered again, in the steps right after
+    verifications with rejected proposals too. Leaving rows are chosen so that rows move down
+    (a row near the top leaves), up (near the bottom: the rows above it shift instead) and both
+    ways at once, several of them in one step."""
+    seqs = _seqs(pair.vocab, [120] * 6)
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [9, 5, 14, 7, 11, 6], strict=True)])
+    extends = _extends(pair, monkeypatch)
+    mirror = pair.mirrored.backend.mirror
+    pair.step(seqs, [s.run(1) for s in seqs])  # builds the mirror
+    pair.step(seqs, [s.run(n) for s, n in zip(seqs, [4, 1, 6, 3, 1, 5], strict=True)])
+    # rows 1 and 3 leave; the rest reject some proposals (their runs start inside what the
+    # last step wrote): rows 0 and 2 move up to a new base, rows 4 and 5 stay where they are
+    kept = [seqs[0], seqs[2], seqs[4], seqs[5]]
+    pair.step(kept, [s.run(n, back=b) for s, n, b in zip(kept, [2, 1, 1, 3], [2, 4, 0, 1],
+                                                         strict=True)])
+    assert mirror.counts["moved rows"] == 2
+    pair.step(kept, [s.run(1) for s in kept])
+    kept = kept[:2] + kept[3:]  # a row near the end leaves: the last one moves down
+    pair.step(kept, [s.run(n, back=b) for s, n, b in zip(kept, [1, 4, 2], [1, 0, 2],
+                                                         strict=True)])
+    assert mirror.counts["moved rows"] == 3
+    kept = kept[1:]  # the first row leaves: no row moves, the window slides
+    pair.step(kept, [s.run(1) for s in kept])
+    for _ in range(3):
+        pair.step(kept, [s.run(n) for s, n in zip(kept, [1, 3], strict=True)])
+    assert extends == [False] + [True] * 8
+    assert mirror.counts["compact"] == 3
+    kept = kept[:1]
+    for _ in range(12):  # past the capacity headroom (a rebuild), then shrinking again
+        pair.step(kept, [s.run(1) for s in kept])
+    assert extends.count(False) == 2
+
+
+def test_a_shrunk_batch_with_another_sequence_rebuilds(pair, monkeypatch):
+    """Fewer rows, but one of them is a sequence the mirror does not hold (same length as the
+    one it replaces): its block table differs, so no mirror row matches it and the mirror is
+    gathered again rather than compacted."""
+    a, b, c, d = _seqs(pair.vocab, [60] * 4)
+    pair.step([a, b, c], [a.run(10), b.run(10), c.run(10)])
+    pair.step([d], [d.run(12)])
+    extends = _extends(pair, monkeypatch)
+    for _ in range(2):
+        pair.step([a, b, c], [s.run(1) for s in (a, b, c)])
+    pair.step([b, d], [b.run(1), d.run(1)])  # b is old row 1; d is in c's place
+    pair.step([b, d], [b.run(1), d.run(1)])
+    pair.step([d], [d.run(1)])  # b leaves: d, row 1 of the last step, slides to row 0
+    assert extends == [False, True, False, True, True]
+    assert pair.mirrored.backend.mirror.counts["compact"] == 1

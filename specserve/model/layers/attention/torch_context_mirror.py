@@ -8,12 +8,15 @@ sequence a few tokens further (one for a plain decode, k + 1 for a verification,
 rejected proposals are rolled back), so the gathered context can be kept and each step's new
 K/V rows written into it instead of gathering it again.
 
-The mirror is a pure cache of the paged KV cache: a step *extends* it when the batch is the
-mirrored one (same sequences in the same rows, each step's run starting at or before the end of
-what the mirror holds for its row, the same blocks under the part it reads); any other short-run
-step rebuilds it from the paged cache (a sequence joined or left, a block table changed, the
-context outgrew the capacity). Long runs (prompts) invalidate it, and it is not used when it
-would need more than ``MAX_MIRROR_FRACTION`` of the paged cache's memory.
+The mirror is a pure cache of the paged KV cache: a step *extends* it when every row of the
+batch has a row of the mirror that holds its context (each step's run starting at or before the
+end of what that row holds, the same blocks under the part it reads), matched in order; any
+other short-run step rebuilds it from the paged cache (a sequence joined, a block table changed,
+the context outgrew the capacity). When sequences left the batch (they finish at different
+steps, the more so with speculation), the kept rows are compacted in place instead: rows move
+towards a window of the buffers chosen so that as few tokens as possible move, which costs a
+fraction of re-gathering every row from scattered blocks. Long runs (prompts) invalidate it, and
+it is not used when it would need more than ``MAX_MIRROR_FRACTION`` of the paged cache's memory.
 Rows past a rollback may hold K/V of rejected tokens: they are never read (the mask stops at
 each sequence's length) and the next step that reaches them writes them again.
 CPU only: on an accelerator that memory would sit outside the KV cache budget (and the gather is
@@ -22,7 +25,8 @@ cheap there anyway).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,10 +40,27 @@ MAX_MIRROR_FRACTION = 0.5
 # Steps whose query runs are all at most this long use the mirror (decode, verification);
 # longer runs are prompt chunks, which the mirror does not follow.
 MAX_MIRROR_QUERY = 16
+# A batch that lost rows is compacted in place rather than rebuilt (False: always rebuild; kept
+# as a switch for A/B measurements).
+COMPACT_SHRUNK_BATCHES = True
 
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+# (source slot, destination slot, tokens): one row's context moved inside a layer's buffers
+Move = tuple[int, int, int]
+
+
+@dataclass
+class _LayerBuffers:
+    """One layer's mirror: K and V [slots, capacity, KvH, D], of which a step uses the rows
+    [base, base + S). Slots may outnumber the batch: a shrunk batch keeps its allocation."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    version: int  # the arrangement of rows they hold (see ContextMirror.plan)
 
 
 @dataclass
@@ -51,6 +72,21 @@ class MirrorStep:
     index: torch.Tensor  # extend: [T] flat row of each new token; rebuild: [S * blocks] ids
     rows: int  # S
     capacity: int  # tokens per mirrored sequence
+    base: int = 0  # slot of the batch's first row in the layers' buffers
+    version: int = 0  # the arrangement of rows this step reads
+    # Compaction that brings a layer from version - 1 to version, applied in each layer's first
+    # call of the step (the plan is made once per step, the buffers are per layer).
+    moves: list[Move] = field(default_factory=list)
+    # layer's cache pointer -> its (K, V) rows for this step: an extend step asks twice per
+    # layer (write, then read), and slicing views costs more than a dict probe
+    _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (K, V) mirror rows, [S, capacity, KvH, D] each."""
+        views = self._views.get(k_cache.data_ptr())
+        if views is None:
+            views = self._views[k_cache.data_ptr()] = self.mirror.buffers(k_cache, self)
+        return views
 
     def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
         """key/value [T, KvH, D]: this step's new tokens (written on extend steps only)."""
@@ -66,13 +102,13 @@ class MirrorStep:
         gathers the context from the cache after the write)."""
         if not self.extend:
             return None
-        mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
+        mk, mv = self.buffers(k_cache)
         return mk.view(-1, *mk.shape[2:]), mv.view(-1, *mv.shape[2:]), self.index
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V for keys [0, max_k): [S, KvH, K, D] strided views."""
-        mk, mv = self.mirror.buffers(k_cache, self.rows, self.capacity)
+        mk, mv = self.buffers(k_cache)
         if not self.extend:  # the cache already holds this step's K/V (written first)
             block = k_cache.shape[1]
             torch.index_select(k_cache, 0, self.index, out=mk.view(-1, block, *mk.shape[2:]))
@@ -88,13 +124,19 @@ class ContextMirror:
         self._seq_lens: list[int] = []  # context lengths the mirror holds (empty: invalid)
         self._tables: torch.Tensor | None = None  # [S, W] block tables it was built from
         self._capacity = 0
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._base = 0  # slot of row 0
+        self._version = 0  # bumped by every rebuild and every compaction that moves rows
+        self._buffers: dict[int, _LayerBuffers] = {}
+        # Steps that rebuilt the mirror, compacted it, or extended it as it was (benchmarks
+        # read these to see what batch changes cost).
+        self.counts: Counter[str] = Counter()
 
     def invalidate(self) -> None:
         self._seq_lens, self._tables = [], None
 
     def plan(self, meta: AttentionMetadata) -> MirrorStep | None:
-        """Decide this step: extend the mirror, rebuild it, or (None) do without."""
+        """Decide this step: extend the mirror (compacting it first if rows left), rebuild
+        it, or (None) do without."""
         if meta.block_tables.device.type != "cpu":
             return None  # on accelerators its memory would be outside the KV cache budget
         if meta.max_query_len > MAX_MIRROR_QUERY:
@@ -103,62 +145,140 @@ class ContextMirror:
         bs, rows = meta.block_size, meta.num_seqs
         needed = _cdiv(meta.max_seq_len, bs)
         starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens, strict=True)]
-        extend = self._extends(meta, starts) and needed * bs <= self._capacity
-        if not extend:
+        sources = self._match(meta, starts) if needed * bs <= self._capacity else None
+        moves: list[Move] = []
+        if sources is not None and rows == len(self._seq_lens):
+            self.counts["extend"] += 1  # every row is its own: nothing moves
+        elif sources is not None:
+            self._base, moves = self._compaction(sources, starts)
+            if moves:
+                self._version += 1
+            self.counts["compact"] += 1
+            self.counts["moved rows"] += len(moves)
+        else:
             capacity = (needed + HEADROOM_BLOCKS) * bs
             if rows * capacity > MAX_MIRROR_FRACTION * self.cache_tokens:
                 self.invalidate()
                 return None
-            self._capacity = capacity
+            self._capacity, self._base = capacity, 0
+            self._version += 1
+            self.counts["rebuild"] += 1
         self._seq_lens, self._tables = list(meta.seq_lens_host), meta.block_tables
-        device = meta.block_tables.device
-        if extend and meta.max_query_len == 1:  # plain decode: one new row per sequence
+        extend = sources is not None
+        index = (self._extend_index(meta, starts) if extend
+                 else self._gather_index(meta))
+        return MirrorStep(self, extend, index, rows, self._capacity, self._base,
+                          self._version, moves)
+
+    def _extend_index(self, meta: AttentionMetadata, starts: list[int]) -> torch.Tensor:
+        """[T] int64: the row of this step's tokens in the batch's [S * capacity] buffer rows."""
+        device, rows = meta.block_tables.device, meta.num_seqs
+        if meta.max_query_len == 1:  # plain decode: one new row per sequence
             rows_idx = torch.arange(rows, device=device) * self._capacity  # [S]
-            index = rows_idx + meta.seq_lens.to(torch.int64) - 1  # [S]
-        elif extend:  # runs of several tokens: row i's tokens go to positions starts[i]..
-            query_lens = torch.tensor(meta.query_lens, device=device)  # [S]
-            seq_of_token = torch.repeat_interleave(torch.arange(rows, device=device),
-                                                   query_lens)  # [T]
-            run_start = meta.query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
-            position = (torch.tensor(starts, device=device)[seq_of_token]
-                        + torch.arange(meta.num_tokens, device=device) - run_start)  # [T]
-            index = seq_of_token * self._capacity + position  # [T]
-        else:
-            cap_blocks = self._capacity // bs
-            tables = meta.block_tables[:, :cap_blocks].to(torch.int64)  # [S, <= cap_blocks]
-            index = torch.nn.functional.pad(tables, (0, cap_blocks - tables.shape[1]))
-            index = index.reshape(-1)  # [S * cap_blocks]; padding reads block 0 (masked)
-        return MirrorStep(self, extend, index, rows, self._capacity)
+            return rows_idx + meta.seq_lens.to(torch.int64) - 1  # [S]
+        # runs of several tokens: row i's tokens go to positions starts[i]..
+        query_lens = torch.tensor(meta.query_lens, device=device)  # [S]
+        seq_of_token = torch.repeat_interleave(torch.arange(rows, device=device),
+                                               query_lens)  # [T]
+        run_start = meta.query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
+        position = (torch.tensor(starts, device=device)[seq_of_token]
+                    + torch.arange(meta.num_tokens, device=device) - run_start)  # [T]
+        return seq_of_token * self._capacity + position  # [T]
 
-    def _extends(self, meta: AttentionMetadata, starts: list[int]) -> bool:
-        """True when this batch is the mirrored one: every run starts at or before the end of
-        what the mirror holds for its row (after a plain decode exactly there; after a
-        verification whose proposals were rejected, before it), and the blocks under the
-        positions read from the mirror (before the run) are still the ones it was built from.
+    def _gather_index(self, meta: AttentionMetadata) -> torch.Tensor:
+        """[S * capacity blocks] int64: the blocks a rebuild gathers, row after row."""
+        cap_blocks = self._capacity // meta.block_size
+        tables = meta.block_tables[:, :cap_blocks].to(torch.int64)  # [S, <= cap_blocks]
+        index = torch.nn.functional.pad(tables, (0, cap_blocks - tables.shape[1]))
+        return index.reshape(-1)  # [S * cap_blocks]; padding reads block 0 (masked)
 
-        Another sequence cannot pass for the mirrored one: it would have had to compute its
-        prompt in a step that invalidated or rebuilt the mirror, unless its prompt came from
-        the prefix cache, and then the blocks it shares hold exactly the same keys/values."""
+    def _match(self, meta: AttentionMetadata, starts: list[int]) -> list[int] | None:
+        """For each row of this batch, the mirror row that holds its context, in order (a
+        shrunk batch keeps its rows' order: the scheduler removes finished sequences from its
+        running list and appends new ones); None when some row has none.
+
+        Row i may take mirror row j when its run starts at or before the end of what row j
+        holds (after a plain decode exactly there; after a verification whose proposals were
+        rejected, before it) and the blocks under the positions read from the mirror (before
+        the run) are still the ones row j was built from. Another sequence cannot pass for the
+        mirrored one: it would have had to compute its prompt in a step that invalidated or
+        rebuilt the mirror, unless its prompt came from the prefix cache, and then the blocks
+        it shares hold exactly the same keys/values."""
         prev = self._seq_lens
-        if not prev or len(prev) != meta.num_seqs or self._tables is None:
-            return False
-        if any(start > old for start, old in zip(starts, prev, strict=True)):
-            return False
+        if not prev or self._tables is None or meta.num_seqs > len(prev):
+            return None
+        if meta.num_seqs < len(prev) and not COMPACT_SHRUNK_BATCHES:
+            return None
         bs = meta.block_size
-        held = torch.tensor([_cdiv(n, bs) for n in starts])  # [S] blocks read from the mirror
-        width = int(held.max())
+        held = [_cdiv(n, bs) for n in starts]  # blocks read from the mirror, per row
+        width = max(held)
         if meta.block_tables.shape[1] < width or self._tables.shape[1] < width:
-            return False
-        same = meta.block_tables[:, :width] == self._tables[:, :width]  # [S, W]
-        beyond = torch.arange(width)[None, :] >= held[:, None]  # [S, W]: not read there
-        return bool((same | beyond).all())
+            return None
+        if meta.num_seqs == len(prev):  # the common case: row i is row i, checked at once
+            return self._same_rows(meta, starts, held, width)
+        new = meta.block_tables[:, :width].tolist()
+        old = self._tables[:, :width].tolist()
+        sources, j = [], 0
+        for i, (start, n) in enumerate(zip(starts, held, strict=True)):
+            # the first fitting row is never worse: it leaves the most rows for the rest
+            while j < len(prev) and not (start <= prev[j] and new[i][:n] == old[j][:n]):
+                j += 1
+            if j == len(prev):
+                return None
+            sources.append(j)
+            j += 1
+        return sources
 
-    def buffers(self, k_cache: torch.Tensor, rows: int,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (K, V) mirror, [rows, capacity, KvH, D] each, (re)allocated on demand."""
+    def _same_rows(self, meta: AttentionMetadata, starts: list[int], held: list[int],
+                   width: int) -> list[int] | None:
+        """_match for a batch of the mirror's size: every row must be its own."""
+        if any(start > old for start, old in zip(starts, self._seq_lens, strict=True)):
+            return None
+        held_t = torch.tensor(held)  # [S]
+        same = meta.block_tables[:, :width] == self._tables[:, :width]  # [S, W]
+        beyond = torch.arange(width)[None, :] >= held_t[:, None]  # [S, W]: not read there
+        return list(range(meta.num_seqs)) if bool((same | beyond).all()) else None
+
+    def _compaction(self, sources: list[int], starts: list[int]) -> tuple[int, list[Move]]:
+        """The new base slot and the moves that put mirror row sources[i] at slot base + i.
+
+        Row i's slot shifts by old slot - i; the base is the shift that keeps the most tokens
+        in place (a sequence leaving near the top shifts the rows above it instead of all those
+        below). Only the positions before each run move (the step writes the rest). Order:
+        rows moving down, lowest first, then rows moving up, highest first; since the shift
+        grows with i, no row is overwritten before it has moved."""
+        slots = [self._base + j for j in sources]  # [S] current slot of each batch row
+        kept: Counter[int] = Counter()
+        for i, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            kept[slot - i] += start
+        base = max(kept, key=kept.__getitem__)
+        moving = [(slot, base + i, n) for i, (slot, n) in enumerate(zip(slots, starts,
+                                                                         strict=True))
+                  if slot != base + i and n > 0]
+        down = [move for move in moving if move[0] > move[1]]
+        up = [move for move in moving if move[0] < move[1]]
+        return base, down + up[::-1]
+
+    def buffers(self, k_cache: torch.Tensor,
+                step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (K, V) mirror rows for the step, [S, capacity, KvH, D] each: on a
+        rebuild (re)allocated as needed, on an extend compacted once if the step moves rows."""
         key = k_cache.data_ptr()
-        shape = (rows, capacity, *k_cache.shape[2:])
         held = self._buffers.get(key)
-        if held is None or held[0].shape != shape:
-            held = self._buffers[key] = (k_cache.new_empty(shape), k_cache.new_empty(shape))
-        return held
+        if not step.extend:
+            shape = (step.capacity, *k_cache.shape[2:])
+            if (held is None or held.k.shape[1:] != shape or held.k.shape[0] < step.rows
+                    or held.k.dtype != k_cache.dtype):
+                full = (step.rows, *shape)
+                held = self._buffers[key] = _LayerBuffers(
+                    k_cache.new_empty(full), k_cache.new_empty(full), step.version)
+            held.version = step.version
+        elif held is None or held.version != step.version:
+            assert held is not None, "an extend step reached a layer the mirror never built"
+            assert held.version == step.version - 1 and step.moves, "a layer missed a step"
+            for src, dst, n in step.moves:
+                held.k[dst, :n].copy_(held.k[src, :n])
+                held.v[dst, :n].copy_(held.v[src, :n])
+            held.version = step.version
+        rows = slice(step.base, step.base + step.rows)
+        return held.k[rows], held.v[rows]
