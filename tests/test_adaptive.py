@@ -524,3 +524,27 @@ def test_a_closed_batch_charges_turning_speculation_on_with_the_drafts_catch_up(
     assert cap(lag=4143) == 0
     assert cap(lag=0) == 1
     assert cap(lag=4143) == 1  # already on: nothing to catch up on by staying on
+
+
+def test_a_long_speculative_run_measures_plain_decoding_again_without_a_cycle():
+    """Plain-step samples expire during a long speculative run. The batch then runs on its cap
+    measurements for BORROW_STEPS steps and decodes plainly until a plain step is measured;
+    the first plain step after a speculative one only measures the switch. Stopping after
+    that one step left plain decoding unmeasured and repeated: one plain step in nine."""
+    policy = AdaptiveSpeculation(4)
+    batch = list(range(32))
+    for seq_id in batch:
+        policy.acceptance[seq_id] = [0.9, 0.9]
+        policy.continuation_trials[seq_id] = 100
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    plain_steps, last_spec = 0, False
+    for _ in range(3 * PLAIN_EXPIRY):
+        policy.plan(batch, [4] * 32, plan_first=True)
+        cap = policy.last_cap
+        seconds = PLAIN_SECONDS * (1.0 + 0.2 * cap)
+        policy.costs.observe(32, 32 * cap, seconds, after_spec=last_spec)
+        if cap:
+            policy.caps.observe(policy.costs.step, 32, cap, seconds, PLAIN_SECONDS)
+        plain_steps += cap == 0
+        last_spec = cap > 0
+    assert plain_steps <= 3 * 3, plain_steps  # two to re-measure per expiry, plus the start

@@ -354,17 +354,22 @@ class AdaptiveSpeculation:
         self.last_cap = None if not unpinned else 0
         if not unpinned:
             return
+        bucket = batch_bucket(n)
         if self.costs.plain_time(n) is None:
-            # Plain decoding at this batch size is not measured, so no cap can be priced here
-            # yet. A batch that shrank into it runs on the larger batches' measurements for a
-            # few steps (see batch_cap.py), then a plain step measures it.
-            bucket = batch_bucket(n)
+            # Plain decoding at this batch size is not measured (or its samples expired during
+            # a long speculative run), so no cap can be priced here. The batch runs on the
+            # measurements of its bucket or larger ones for BORROW_STEPS steps (see
+            # batch_cap.py), then decodes plainly until a plain step has measured it: the
+            # first plain step after a speculative one only measures the switch
+            # (StepCosts.observe), so stopping after one plain step left the time unmeasured
+            # and repeated the cycle, one plain step in every nine on the H200 at batch 32.
             borrowed = self.borrowed_steps.get(bucket, 0)
             if borrowed >= BORROW_STEPS or not self.caps.can_borrow(self.costs.step, n,
                                                                     self.max_k):
-                self.borrowed_steps[bucket] = 0
                 return
             self.borrowed_steps[bucket] = borrowed + 1
+        else:
+            self.borrowed_steps.pop(bucket, None)
         acc = np.array([accept[i] for i in unpinned])  # [U, 2]: first, continuation
         limit = np.minimum([limits[i] for i in unpinned], self.max_k)  # [U]
         j = np.arange(1, self.max_k + 1)  # [K]
