@@ -287,3 +287,15 @@ def test_a_closed_batch_tells_the_policy_the_drafts_lag(tiny_llama, tiny_llama_d
     kwargs, lag, prompts = seen[0]
     assert kwargs["closed"] and kwargs["lag"] == lag == prompts > 0  # the draft never ran
     assert kwargs["remaining"] == [9, 9, 9] and kwargs["generated"] == [1, 1, 1]
+
+
+def test_a_batch_is_closed_when_every_waiting_request_fits_in_it(tiny_llama, test_prompts):
+    """Requests that wait only for prefill budget will join the batch anyway: a sequence that
+    finishes early frees a row nobody needs. One that waits for a row makes it open."""
+    for max_num_seqs, closed in ((3, True), (2, False)):
+        engine = tiny_llm(tiny_llama, max_num_seqs=max_num_seqs).llm_engine
+        for i, prompt in enumerate(test_prompts[:3]):
+            engine.add_request(str(i), prompt, _greedy(4))
+        assert engine.scheduler.is_closed() is closed
+        engine.step()
+        assert engine.scheduler.is_closed() is closed

@@ -297,7 +297,7 @@ class LLMEngine:
             on_device = (all(s.seq.params.prompt_logprobs is None for s in sched.scheduled)
                          and self._argmax_suffices(seqs, {}))
             proposals, draft_probs, pending = self.speculation.propose(
-                sched.scheduled, sampled, on_device, closed=not self.scheduler.waiting)
+                sched.scheduled, sampled, on_device, closed=self.scheduler.is_closed())
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
         logits = logprobs = None
         num_steps = self._multi_step_window(sched.scheduled, prompt_rows)

@@ -69,6 +69,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def is_closed(self) -> bool:
+        """No request waits for a running one to finish: every waiting request fits in the
+        batch (max_num_seqs) and waits only for prefill budget. Speculation then prices its
+        steps by when the batch ends (spec_decode/adaptive.py), from the first step of a
+        batch whose prompts are prefilled in chunks, not only once the last one started."""
+        return len(self.waiting) + len(self.running) <= self.max_num_seqs
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and return its blocks."""
         if seq in self.running:

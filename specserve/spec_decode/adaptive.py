@@ -298,7 +298,7 @@ class AdaptiveSpeculation:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). plan_first=True: a draft model
         (the batch runs a measured cap, see batch_cap.py; last_cap says which). closed: no
-        request is waiting; then remaining: each sequence's tokens still to go at most (a
+        request waits for a slot (Scheduler.is_closed); then remaining: each sequence's tokens still to go at most (a
         draft model's caps are priced by when the slowest sequence finishes), and generated:
         the tokens each has generated (a closed batch past its start does not try caps) and
         lag: the tokens the draft would catch up on before proposing (batch_cap.py)."""
@@ -427,8 +427,8 @@ class AdaptiveSpeculation:
                 candidates: list[tuple[float, int, int]], closed: bool = False) -> None:
         """Extend ks by the prefix of candidates with the best predicted tokens per second.
 
-        closed: no request is waiting, so a sequence that finishes early frees a row that
-        nobody takes, and the batch is done when its slowest sequences are. An extra token
+        closed: no request waits for a slot, so a sequence that finishes early frees a row
+        that nobody takes, and the batch is done when its slowest sequences are. An extra token
         then shortens the run only as far as the whole batch advances, which a step
         speculating on a share f of the batch does for about f of its tokens; the others only
         save their row of a later step, worth that row's marginal cost (the measured cost per

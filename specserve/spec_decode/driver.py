@@ -80,7 +80,7 @@ class SpeculationDriver:
         """Proposals per sampled sequence ([] for none), their distributions ([S, K, V]) and,
         when on_device allowed it (the step verifies greedily), the proposals still on the
         device ([S, K]: the lists then hold placeholders of the right lengths). closed: no
-        request is waiting (see AdaptiveSpeculation._choose)."""
+        request waits for a slot (Scheduler.is_closed; see AdaptiveSpeculation._choose)."""
         proposals: list[list[int]] = [[] for _ in sampled]
         decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
         seqs = [s.seq for _, s in decoding]
@@ -179,8 +179,10 @@ class SpeculationDriver:
                 caps.observe(costs.step, step.batch_size, step.cap, seconds, plain)
         elif step.catch_up and step.cap:
             plain = costs.plain_time(step.batch_size)
-            ratio = caps.ratio(costs.step, step.batch_size, step.cap)
-            if plain is not None and ratio is not None:
+            # an unmeasured cap (the first catch-up is the draft's first step) counts as a
+            # plain step: the catch-up is then priced a little high
+            ratio = caps.ratio(costs.step, step.batch_size, step.cap) or 1.0
+            if plain is not None:
                 caps.observe_catch_up(costs.step, step.catch_up, seconds - ratio * plain)
         if self._last_was_spec:
             costs.observe_switch(step.num_proposals == 0)
