@@ -548,3 +548,13 @@ def test_a_long_speculative_run_measures_plain_decoding_again_without_a_cycle():
         plain_steps += cap == 0
         last_spec = cap > 0
     assert plain_steps <= 3 * 3, plain_steps  # two to re-measure per expiry, plus the start
+
+
+def test_a_caps_cost_is_the_median_of_its_steps():
+    """A draft's steps vary with what was accepted before them, not only with load: one fast
+    step must not price a cap."""
+    caps = CapCosts()
+    for ratio in (1.25, 1.40, 1.38, 1.42, 1.36):
+        caps.observe(0, 32, 1, PLAIN_SECONDS * ratio, PLAIN_SECONDS)
+    assert caps.ratio(0, 32, 1) == pytest.approx(1.38)
+    assert caps.choose(0, 32, [1.0, 1.5 / 1.08 * 1.0]) == 0  # ~1.006x: not worth it
