@@ -299,3 +299,36 @@ def test_a_batch_is_closed_when_every_waiting_request_fits_in_it(tiny_llama, tes
         assert engine.scheduler.is_closed() is closed
         engine.step()
         assert engine.scheduler.is_closed() is closed
+
+
+def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tiny_llama_draft,
+                                                                 llama_reference, test_prompts,
+                                                                 monkeypatch):
+    """Once a closed batch past its start settles on plain decoding, nothing can make
+    speculation pay again before a sequence joins, so the driver stops planning (its host
+    time made those plain steps ~15 % slower on the H200). A joining sequence plans again."""
+    import specserve.spec_decode.batch_cap as batch_cap
+
+    monkeypatch.setattr(batch_cap, "MIN_SPEEDUP", 100.0)  # no cap ever pays
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
+    engine = llm.llm_engine
+    calls = []
+    plan = engine.speculation.adaptive.plan
+    engine.speculation.adaptive.plan = lambda *a, **kw: calls.append(1) or plan(*a, **kw)
+    for i, prompt in enumerate(test_prompts[:3]):
+        engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        if steps == REF_TOKENS // 2:
+            before = len(calls)
+            engine.add_request("late", test_prompts[3], _greedy(4))
+            for _ in range(2):  # its prompt, then its first decode
+                steps += 1
+                for out in engine.step():
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            assert len(calls) > before  # a new sequence decodes: planned again
+    assert [outputs[str(i)] for i in range(3)] == llama_reference[:3]
+    assert len(calls) < steps // 2, (len(calls), steps)

@@ -246,6 +246,12 @@ class AdaptiveSpeculation:
     # batch bucket -> steps in a row it ran on a larger bucket's cap measurements
     borrowed_steps: dict[int, int] = field(default_factory=dict)
     last_cap: int | None = None  # the cap the last plan(plan_first=True) ran
+    # The last plan(plan_first=True) was a closed batch past its start choosing plain decoding
+    # without trying a cap: it stays so while the batch only loses sequences (nothing makes
+    # speculation more attractive then: no verification changes an acceptance, the stretch
+    # grows as the remaining tokens shrink and the draft's lag grows), so the driver may skip
+    # planning until a sequence joins.
+    settled_plain: bool = False
 
     # ---- acceptance ------------------------------------------------------------------------
     def record(self, seq_id: int, num_proposed: int, num_accepted: int) -> None:
@@ -303,6 +309,7 @@ class AdaptiveSpeculation:
         the tokens each has generated (a closed batch past its start does not try caps) and
         lag: the tokens the draft would catch up on before proposing (batch_cap.py)."""
         self.costs.step += 1
+        self.settled_plain = False
         n = len(seq_ids)
         pinned = pinned or [False] * n
         ks = [0] * n
@@ -392,6 +399,7 @@ class AdaptiveSpeculation:
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
                                                explore_from_plain=not settled)
+        self.settled_plain = settled and cap == 0
         for i, k in zip(unpinned, own.tolist(), strict=True):
             ks[i] = min(cap, k)
 

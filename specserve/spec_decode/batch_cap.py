@@ -39,7 +39,6 @@ predicted 1.10x into ~1.02x, below the margin: the batch decodes plainly, where 
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
@@ -136,17 +135,19 @@ class CapCosts:
         return any(self._measured(step, batch_size, c) for c in range(1, max_k + 1))
 
     def ratio(self, step: int, batch_size: int, cap: int) -> float | None:
-        """What a step with this cap costs, in plain steps: the median of its measured steps
-        (None if untried). Not the fastest, as plain steps are priced: a draft's step varies
-        with what was accepted before it (one or two tokens to feed each sequence, how many
-        proposals), not only with load, and its fastest sample undercharged it. At batch 32
-        on the H200 cap 1 measured 7.7-8.8 ms against plain's 5.9-6.3: the fastest said
-        1.30 plain steps, the steps cost 1.35-1.40, and at acceptance 0.5 the difference
-        decided that speculation paid when it did not."""
+        """What a step with this cap costs, in plain steps: the lower quartile of its
+        measured steps (None if untried). Not the fastest, as plain steps are priced: a
+        draft's step varies with what was accepted before it (one or two tokens to feed each
+        sequence, how many proposals), not only with load, and at batch 32 on the H200 the
+        fastest of cap 1's steps said 1.30 plain steps where they typically cost 1.35-1.40,
+        which at acceptance 0.5 decided that speculation paid when it did not. Not the
+        median either: with two or three samples one slow step (a small catch-up that still
+        counts as a measured step) priced a cap at 4 plain steps and a batch at acceptance
+        0.7 stopped speculating for good."""
         if cap == 0:
             return 1.0
-        kept = self._measured(step, batch_size, cap)
-        return statistics.median(r for _, r in kept) if kept else None
+        kept = sorted(r for _, r in self._measured(step, batch_size, cap))
+        return kept[len(kept) // 4] if kept else None
 
     def choose(self, step: int, batch_size: int, expected: list[float],
                explore_from_plain: bool = True) -> int:

@@ -45,6 +45,9 @@ class SpeculationDriver:
         self._shadows: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, declined)
         self._step: _Step | None = None  # shape of the step being run (for its timing)
         self._last_was_spec = False
+        # newest seq_id of a closed draft-model batch that settled on plain decoding
+        # (AdaptiveSpeculation.settled_plain): planning is skipped while no newer one joins
+        self._settled_newest: int | None = None
 
     # ---- before the target pass ------------------------------------------------------------
     def _limit(self, s: ScheduledSequence, batch_size: int) -> int:
@@ -114,11 +117,18 @@ class SpeculationDriver:
                         self._shadows[seq.seq_id] = (seq.num_tokens, tokens)
                 self._step.num_proposals = sum(ks)
                 return proposals, None, None
+            newest = max(ids)
+            if closed and self._settled_newest is not None and newest <= self._settled_newest:
+                # Settled on plain decoding: at batch 32 on the H200, the planning's host time
+                # made these plain steps ~1 ms (15 %) slower than the plain engine's.
+                return proposals, None, None
             ks = self.adaptive.plan(
                 ids, ks, pinned=pinned, plan_first=True, closed=closed,
                 remaining=[self._remaining(seq) for seq in seqs] if closed else None,
                 generated=[seq.num_output_tokens for seq in seqs] if closed else None,
                 lag=self.proposer.catch_up_tokens(seqs) if closed else 0)
+            settled = closed and self.adaptive.settled_plain and not any(pinned)
+            self._settled_newest = newest if settled else None
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None, None
