@@ -120,7 +120,11 @@ class SpeculationDriver:
             newest = max(ids)
             if closed and self._settled_newest is not None and newest <= self._settled_newest:
                 # Settled on plain decoding: at batch 32 on the H200, the planning's host time
-                # made these plain steps ~1 ms (15 %) slower than the plain engine's.
+                # made these plain steps ~1 ms (15 %) slower than the plain engine's. The
+                # policy's clock still advances, so cap measurements still expire and a later
+                # batch tries caps again (else an engine that settled at acceptance 0.5 never
+                # learned that a later batch accepted 0.9: measured, every later run plain).
+                self.adaptive.costs.step += 1
                 return proposals, None, None
             ks = self.adaptive.plan(
                 ids, ks, pinned=pinned, plan_first=True, closed=closed,
