@@ -477,8 +477,8 @@ def test_a_closed_batch_prices_draft_caps_by_its_slowest_sequence():
 
 
 def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
-    """Plain decoding is best as far as anything is measured (here: nothing, as after every
-    cap sample expired). An open batch tries a cap, and so does a closed batch at its start
+    """Plain decoding is best as far as anything is measured (here: nothing live, as after
+    every cap sample expired). An open batch tries a cap, and so does a closed batch at its start
     (the draft's catch-up is the prompts); a closed batch that has generated a while does
     not: the catch-up over every context costs more than it can win back before it ends."""
     policy = AdaptiveSpeculation(4)
@@ -488,8 +488,11 @@ def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
         policy.continuation_trials[seq_id] = 100
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
 
-    def cap(**closed) -> int:
-        policy.caps = CapCosts()  # nothing measured
+    def cap(ever: bool = True, **closed) -> int:
+        policy.caps = CapCosts()
+        if ever:  # measured once, long expired
+            policy.caps.observe(policy.costs.step - 10 * CAP_EXPIRY, 32, 1, PLAIN_SECONDS,
+                                PLAIN_SECONDS)
         policy.plan(batch, [4] * 32, plan_first=True, **closed)
         return policy.last_cap
 
@@ -497,6 +500,8 @@ def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
     assert cap(closed=True, remaining=[128] * 32, generated=[3] * 32) > 0
     assert cap(closed=True, remaining=[100] * 32, generated=[28] * 32) == 0
     assert cap(remaining=[100] * 32, generated=[28] * 32) > 0  # open: ignored
+    # never measured at all: nothing to go on, so even a settled batch tries once
+    assert cap(ever=False, closed=True, remaining=[100] * 32, generated=[28] * 32) > 0
 
 
 def test_a_closed_batch_charges_turning_speculation_on_with_the_drafts_catch_up():

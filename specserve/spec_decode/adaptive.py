@@ -349,7 +349,9 @@ class AdaptiveSpeculation:
         32 on the H200, 6159 tokens, 42 ms or 7 plain steps, mid-run; a batch that nobody
         joins ends within its remaining tokens, and on its measurements of a moment ago it
         cannot win that back. At its start the catch-up is the prompts, and new text may
-        accept differently, so a young batch still tries.
+        accept differently, so a young batch still tries, and so does an engine that never
+        measured a cap at this batch size (it has nothing to go on: a batch that shrank
+        every step never got to try while young).
 
         lag (a closed batch that is not speculating): turning speculation on first makes the
         draft catch up on `lag` tokens, at the measured seconds per catch-up token; that
@@ -395,7 +397,7 @@ class AdaptiveSpeculation:
                                             for e, v in zip(expected, variance, strict=True)])
         if remaining is not None and lag and self.caps.current.get(batch_bucket(n), 0) == 0:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
-        settled = generated is not None and (
+        settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
                                                explore_from_plain=not settled)
