@@ -304,10 +304,11 @@ class AdaptiveSpeculation:
         """Proposals per decoding sequence (each <= its limit: the hard cap, or for draft-free
         methods the length of the proposal already found). plan_first=True: a draft model
         (the batch runs a measured cap, see batch_cap.py; last_cap says which). closed: no
-        request waits for a slot (Scheduler.is_closed); then remaining: each sequence's tokens still to go at most (a
-        draft model's caps are priced by when the slowest sequence finishes), and generated:
-        the tokens each has generated (a closed batch past its start does not try caps) and
-        lag: the tokens the draft would catch up on before proposing (batch_cap.py)."""
+        request waits for a slot (Scheduler.is_closed); then remaining: each sequence's
+        tokens still to go at most (a draft model's caps are priced by when the slowest
+        sequence finishes), generated: the tokens each has generated (a closed batch past its
+        start does not try caps), and lag: the tokens the draft would catch up on before
+        proposing (see _cap)."""
         self.costs.step += 1
         self.settled_plain = False
         n = len(seq_ids)
@@ -395,7 +396,7 @@ class AdaptiveSpeculation:
             left = [remaining[i] for i in unpinned]
             expected = expected / np.array([makespan_stretch(e, v, left)
                                             for e, v in zip(expected, variance, strict=True)])
-        if remaining is not None and lag and self.caps.current.get(batch_bucket(n), 0) == 0:
+        if remaining is not None and lag and self.caps.current.get(bucket, 0) == 0:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
