@@ -421,6 +421,23 @@ def test_a_closed_batch_counts_extra_tokens_of_a_few_sequences_less():
     assert row_value(row_linear.costs.ratio_curve(32), 32) == pytest.approx(0.7, rel=0.01)
 
 
+def _draft_policy(acceptance: float, cap_cost=None) -> tuple[AdaptiveSpeculation, list[int]]:
+    """A draft model's policy over a batch of 32 whose every proposal (after an accepted one)
+    is accepted at `acceptance`, plain decoding measured, and each cap c measured 8 times at
+    cap_cost(c) plain steps (if given)."""
+    policy = AdaptiveSpeculation(4)
+    batch = list(range(32))
+    for seq_id in batch:
+        policy.acceptance[seq_id] = [acceptance, acceptance]
+        policy.continuation_trials[seq_id] = 100
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    for _ in range(8 if cap_cost else 0):
+        for cap in range(1, 5):
+            policy.caps.observe(policy.costs.step, 32, cap, PLAIN_SECONDS * cap_cost(cap),
+                                PLAIN_SECONDS)
+    return policy, batch
+
+
 def _simulated_stretch(a: float, k: int, remaining: int, batch: int, trials: int) -> float:
     """Makespan of a closed batch in which each sequence gains 1 + (its accepted proposals:
     P(>= j) = a^j, j <= k) tokens a step, over its steps at the mean pace."""
@@ -456,16 +473,7 @@ def test_a_closed_batch_prices_draft_caps_by_its_slowest_sequence():
     longer at that pace) and decodes plainly. At 0.7 speculation still pays closed (cap 2;
     open, caps 2 and 3 are within 1 %)."""
     for acceptance, open_caps, closed_cap in ((0.5, {1}, 0), (0.7, {2, 3}, 2)):
-        policy = AdaptiveSpeculation(4)
-        batch = list(range(32))
-        for seq_id in batch:  # each proposal accepted (after an accepted one) at this rate
-            policy.acceptance[seq_id] = [acceptance, acceptance]
-            policy.continuation_trials[seq_id] = 100
-        policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
-        for _ in range(8):
-            for cap in range(1, 5):
-                policy.caps.observe(policy.costs.step, 32, cap,
-                                    PLAIN_SECONDS * (1.12 + 0.24 * cap), PLAIN_SECONDS)
+        policy, batch = _draft_policy(acceptance, lambda cap: 1.12 + 0.24 * cap)
         policy.plan(batch, [4] * 32, plan_first=True)
         assert policy.last_cap in open_caps, acceptance
         policy.caps.current.clear()
@@ -481,12 +489,7 @@ def test_a_closed_batch_past_its_start_tries_no_cap_from_plain_decoding():
     every cap sample expired). An open batch tries a cap, and so does a closed batch at its start
     (the draft's catch-up is the prompts); a closed batch that has generated a while does
     not: the catch-up over every context costs more than it can win back before it ends."""
-    policy = AdaptiveSpeculation(4)
-    batch = list(range(32))
-    for seq_id in batch:
-        policy.acceptance[seq_id] = [0.3, 0.3]
-        policy.continuation_trials[seq_id] = 100
-    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    policy, batch = _draft_policy(0.3)
 
     def cap(ever: bool = True, **closed) -> int:
         policy.caps = CapCosts()
@@ -509,16 +512,7 @@ def test_a_closed_batch_charges_turning_speculation_on_with_the_drafts_catch_up(
     tokens a sequence if the draft is caught up, not if it first has to run 4143 tokens that
     cost 6 plain steps (the prompts' prefill at batch 32), spread over the ~85 steps left.
     Once speculating, the catch-up is not charged again."""
-    policy = AdaptiveSpeculation(4)
-    batch = list(range(32))
-    for seq_id in batch:
-        policy.acceptance[seq_id] = [0.5, 0.5]
-        policy.continuation_trials[seq_id] = 100
-    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
-    for _ in range(8):
-        for cap in range(1, 5):
-            policy.caps.observe(policy.costs.step, 32, cap,
-                                PLAIN_SECONDS * (1.04 + 0.24 * cap), PLAIN_SECONDS)
+    policy, batch = _draft_policy(0.5, lambda cap: 1.04 + 0.24 * cap)
     policy.caps.observe_catch_up(policy.costs.step, 4143, 6 * PLAIN_SECONDS)
     closed = dict(closed=True, remaining=[128] * 32, generated=[0] * 32)
 
@@ -536,12 +530,7 @@ def test_a_long_speculative_run_measures_plain_decoding_again_without_a_cycle():
     measurements for BORROW_STEPS steps and decodes plainly until a plain step is measured;
     the first plain step after a speculative one only measures the switch. Stopping after
     that one step left plain decoding unmeasured and repeated: one plain step in nine."""
-    policy = AdaptiveSpeculation(4)
-    batch = list(range(32))
-    for seq_id in batch:
-        policy.acceptance[seq_id] = [0.9, 0.9]
-        policy.continuation_trials[seq_id] = 100
-    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    policy, batch = _draft_policy(0.9)
     plain_steps, last_spec = 0, False
     for _ in range(3 * PLAIN_EXPIRY):
         policy.plan(batch, [4] * 32, plan_first=True)
