@@ -95,7 +95,6 @@ class CapCosts:
     # [(step, seconds per token)] of the draft's catch-up forwards (its prefill, or catching up
     # on steps it sat out): what turning speculation on costs, per token it has to feed
     catch_up: list[tuple[int, float]] = field(default_factory=list)
-    ever: set[int] = field(default_factory=set)  # batch buckets any cap was ever measured in
 
     def observe_catch_up(self, step: int, tokens: int, extra_seconds: float) -> None:
         """A decode step whose draft caught up on `tokens` tokens took extra_seconds more than
@@ -112,9 +111,7 @@ class CapCosts:
     def observe(self, step: int, batch_size: int, cap: int, seconds: float,
                 plain_seconds: float) -> None:
         """One pure decode/verify step that ran `cap` over batch_size sequences."""
-        bucket = batch_bucket(batch_size)
-        self.ever.add(bucket)
-        kept = self.samples.setdefault((bucket, cap), [])
+        kept = self.samples.setdefault((batch_bucket(batch_size), cap), [])
         kept.append((step, seconds / plain_seconds))
         del kept[:-CAP_SAMPLES]
 
@@ -137,9 +134,9 @@ class CapCosts:
 
     def ever_measured(self, batch_size: int) -> bool:
         """Some cap was measured in this batch size's bucket or one it may borrow from, live
-        or expired."""
+        or expired (expiry empties a sample list but keeps its key)."""
         bucket = batch_bucket(batch_size)
-        return any(b in self.ever for b in range(bucket, bucket + MAX_BORROW_BUCKETS + 1))
+        return any(bucket <= b <= bucket + MAX_BORROW_BUCKETS for b, _ in self.samples)
 
     def can_borrow(self, step: int, batch_size: int, max_k: int) -> bool:
         """Some cap has measurements for this batch size's bucket or a larger one."""
