@@ -430,8 +430,6 @@ def _draft_policy(acceptance: float, cap_cost=None) -> tuple[AdaptiveSpeculation
     for seq_id in batch:
         policy.acceptance[seq_id] = [acceptance, acceptance]
         policy.continuation_trials[seq_id] = 100
-        accepted = round(100 * acceptance)
-        policy.tally[seq_id] = [100, accepted, 100, accepted]  # verified: no probe needed
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
     for _ in range(8 if cap_cost else 0):
         for cap in range(1, 5):
@@ -558,51 +556,3 @@ def test_a_caps_cost_is_the_lower_quartile_of_its_steps():
     for ratio in (4.3, 1.5):  # a slow step first
         caps.observe(0, 32, 2, PLAIN_SECONDS * ratio, PLAIN_SECONDS)
     assert caps.ratio(0, 32, 2) == pytest.approx(1.5)
-
-
-def test_a_closed_batch_learns_its_acceptance_from_a_few_sequences_first():
-    """A new closed batch of 32 does not know its acceptance: the engine-wide average is the
-    previous batches' text (here 0.5). It probes with one sequence in eight, PROBE_CAP tokens
-    each, without pricing any cap, and then prices every sequence at the pooled rates of the
-    probes: at 0.9 the batch speculates (the engine-wide 0.5 alone says plain decoding, see
-    the slowest-sequence test), at 0.5 it decodes plainly and tries no cap although no cap
-    has been tried twice (each would make the draft catch up on all 32 prompts for a speedup
-    its cheapest possible cost already rules out)."""
-    from specserve.spec_decode.adaptive import PROBE_CAP, PROBE_RUNS
-
-    patterns = {0.9: (2, 2, 2, 1), 0.5: (0, 1, 0, 2)}  # accepted of 2: first 1.0 / 0.5, ...
-    for acceptance, pattern in patterns.items():
-        policy = AdaptiveSpeculation(4)
-        policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
-        for cap in range(1, 5):  # one sample each: every cap is still worth a second try
-            policy.caps.observe(0, 32, cap, PLAIN_SECONDS * (1.12 + 0.24 * cap), PLAIN_SECONDS)
-        batch = list(range(100, 132))
-        closed = dict(plan_first=True, closed=True, remaining=[128] * 32, generated=[2] * 32)
-        for run in range(PROBE_RUNS):
-            ks = policy.plan(batch, [4] * 32, **closed)
-            assert policy.last_cap == 0 and policy.caps.current.get(6, 0) == 0
-            probes = [i for i, k in enumerate(ks) if k]
-            assert len(probes) == 4 and all(ks[i] == PROBE_CAP for i in probes), ks
-            for i in probes:
-                policy.record(batch[i], PROBE_CAP, pattern[run])
-        # every sequence with few runs of its own is priced at the probes' pooled counts
-        accept = [[0.5, 0.5] for _ in batch]
-        assert policy._pool(batch, list(range(32)), accept)
-        first = sum(p > 0 for p in pattern) / len(pattern)
-        tried = sum(p > 0 for p in pattern)
-        assert accept[-1] == pytest.approx([first, sum(p == 2 for p in pattern) / tried])
-        for _ in range(3):
-            ks = policy.plan(batch, [4] * 32, **closed)
-            if acceptance == 0.9:
-                assert policy.last_cap >= 2 and all(ks), (policy.last_cap, ks)
-            else:
-                assert policy.last_cap == 0 and not any(ks), (policy.last_cap, ks)
-
-
-def test_a_caps_floor_ratio_is_its_own_or_a_smaller_caps_cost():
-    caps = CapCosts()
-    assert caps.floor_ratio(0, 32, 3) == 1.0  # nothing measured: it might be free
-    caps.observe(0, 32, 2, PLAIN_SECONDS * 1.6, PLAIN_SECONDS)
-    assert caps.floor_ratio(0, 32, 1) == 1.0
-    assert caps.floor_ratio(0, 32, 2) == pytest.approx(1.6)
-    assert caps.floor_ratio(0, 32, 4) == pytest.approx(1.6)  # never cheaper with more

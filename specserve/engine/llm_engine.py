@@ -291,11 +291,12 @@ class LLMEngine:
         proposals: list[list[int]] = [[] for _ in sampled]
         draft_probs = pending = None
         seqs = [s.seq for s in sampled]
+        argmax_rows = self._argmax_suffices(seqs, {})  # greedy rows, if no prompt logprobs
         if self.speculation is not None:
             # A greedy verification (argmax rows, no logprobs of any kind) can take a draft
             # model's proposals straight from the device.
             on_device = (all(s.seq.params.prompt_logprobs is None for s in sched.scheduled)
-                         and self._argmax_suffices(seqs, {}))
+                         and argmax_rows)
             proposals, draft_probs, pending = self.speculation.propose(
                 sched.scheduled, sampled, on_device, closed=self.scheduler.is_closed())
         runs, sample_rows, prompt_rows = self._build_runs(sched.scheduled, proposals)
@@ -310,7 +311,7 @@ class LLMEngine:
             # Proposals still on the device: fed into the verification pass there, read back
             # with its argmax tokens (the step's one sync); the placeholders get their values.
             verified = self._verify_on_device(sched.scheduled, runs, proposals, pending)
-        elif self._argmax_suffices(seqs, prompt_rows):
+        elif argmax_rows and not prompt_rows:
             # Greedy fast path: the target pass returns each row's argmax token, not logits
             # (ONE pass still scores everything; its token read is the step's one sync).
             verified = self.verifier.accept_greedy(proposals, self.runner.execute_argmax(runs))

@@ -58,13 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.spec_decode.batch_cap import (
-    MIN_SPEEDUP,
-    SWITCH_MARGIN,
-    CapCosts,
-    batch_bucket,
-    makespan_stretch,
-)
+from specserve.spec_decode.batch_cap import CapCosts, batch_bucket, makespan_stretch
 
 EMA_WEIGHT = 0.3  # weight of the newest verification in a sequence's acceptance average
 PRIOR_ACCEPTANCE = 0.5  # pinned sequences, and the engine-wide average before any data
@@ -76,11 +70,6 @@ SEQ_MIN_GAIN = 0.1  # under a draft model's cap, a sequence proposes j tokens wh
 MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trusted
 BORROW_STEPS = 8  # steps a draft model's batch runs on larger batches' cap measurements
 CLOSED_EXPLORE_TOKENS = 8  # a closed batch tries caps from plain decoding only this young
-PROBE_MIN_BATCH = 8  # a closed batch this large learns its acceptance from a few sequences first
-PROBE_SHARE = 8  # ... from one in this many of its sequences (at least one)
-PROBE_CAP = 2  # ... each proposing this many tokens
-PROBE_RUNS = 4  # ... until they have this many verified runs each, on average
-POOLED_RUNS = 4  # in a closed batch, fewer own runs than this: the batch's pooled acceptance
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
@@ -223,11 +212,6 @@ def row_value(points: list[tuple[float, float]], batch_size: int) -> float:
     return 0.0 if p == 0 else min(1.0, max(0.0, (ratio - 1.0) / p * batch_size))
 
 
-def _probe_count(batch_size: int) -> int:
-    """Sequences a closed batch probes its acceptance with (AdaptiveSpeculation._probe)."""
-    return max(1, batch_size // PROBE_SHARE)
-
-
 def _cost_table(points: list[tuple[float, float]], max_p: int,
                 penalty: float) -> np.ndarray:
     """cost[p] for p = 0..max_p: a step with p proposals, in plain steps (t(B, p) / t(B, 0)
@@ -258,10 +242,6 @@ class AdaptiveSpeculation:
     # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
-    # seq_id -> [runs, first proposals accepted, continuations tried, continuations accepted]:
-    # raw counts, which a closed batch pools (_pool) where a sequence's own EMA, started
-    # from an older prior, has seen too little
-    tally: dict[int, list[int]] = field(default_factory=dict)
     caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
     # batch bucket -> steps in a row it ran on a larger bucket's cap measurements
     borrowed_steps: dict[int, int] = field(default_factory=dict)
@@ -283,11 +263,6 @@ class AdaptiveSpeculation:
         # Continuations tried: proposals 2.. whose predecessor was accepted.
         trials = min(num_accepted, num_proposed - 1)
         self.continuation_trials[seq_id] = self.continuation_trials.get(seq_id, 0) + trials
-        counts = self.tally.setdefault(seq_id, [0, 0, 0, 0])
-        counts[0] += 1
-        counts[1] += num_accepted > 0
-        counts[2] += trials
-        counts[3] += max(num_accepted - 1, 0) if trials else 0
         for target in (est, self.global_acceptance):
             w = EMA_WEIGHT if target is est else GLOBAL_EMA_WEIGHT
             target[0] += w * (first - target[0])
@@ -299,7 +274,6 @@ class AdaptiveSpeculation:
         self.idle_steps.pop(seq_id, None)
         self.probe_interval.pop(seq_id, None)
         self.continuation_trials.pop(seq_id, None)
-        self.tally.pop(seq_id, None)
 
     def _acceptance(self, seq_id: int, pinned: bool) -> list[float]:
         """A sequence's averages, started at its first plan: pinned ones from a fixed prior
@@ -352,13 +326,13 @@ class AdaptiveSpeculation:
         if candidates:
             self._choose(n, ks, accept, candidates, closed)
         if plan_first:
-            self._cap(seq_ids, ks, limits, accept, pinned, remaining if closed else None,
+            self._cap(n, ks, limits, accept, pinned, remaining if closed else None,
                       generated if closed else None, lag)
             self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
 
-    def _cap(self, seq_ids: list[int], ks: list[int], limits: list[int],
-             accept: list[list[float]], pinned: list[bool], remaining: list[int] | None = None,
+    def _cap(self, n: int, ks: list[int], limits: list[int], accept: list[list[float]],
+             pinned: list[bool], remaining: list[int] | None = None,
              generated: list[int] | None = None, lag: int = 0) -> None:
         """A draft model's batch cap (batch_cap.py): every unpinned sequence proposes
         min(cap, its own k), where its own k is the longest run of proposals whose gains stay
@@ -386,17 +360,11 @@ class AdaptiveSpeculation:
         added to the cap's cost. At batch 32 on the H200 the draft's prefill of the prompts
         (4143 tokens, ~17 ms, ~3 plain steps) and the spread of the batch's end together
         ate the ~10 % a cap of 1 gains per step at acceptance 0.5."""
-        n = len(seq_ids)
         unpinned = [i for i in range(n) if not pinned[i]]
         self.last_cap = None if not unpinned else 0
         if not unpinned:
             return
         bucket = batch_bucket(n)
-        current = self.caps.current.get(bucket, 0)
-        probing = remaining is not None and len(unpinned) >= PROBE_MIN_BATCH
-        if probing and not self._pool(seq_ids, unpinned, accept) and current == 0:
-            self._probe(unpinned, ks, limits)
-            return
         if self.costs.plain_time(n) is None:
             # Plain decoding at this batch size is not measured (or its samples expired during
             # a long speculative run), so no cap can be priced here. The batch runs on the
@@ -432,55 +400,11 @@ class AdaptiveSpeculation:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
-        explore = not settled and (not probing or current > 0 or self._worth_trying(n, expected))
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
-                                               explore_from_plain=explore)
+                                               explore_from_plain=not settled)
         self.settled_plain = settled and cap == 0
         for i, k in zip(unpinned, own.tolist(), strict=True):
             ks[i] = min(cap, k)
-
-    def _pool(self, seq_ids: list[int], unpinned: list[int], accept: list[list[float]]) -> bool:
-        """Whether a closed batch has verified enough proposals of its own to know how it
-        accepts: PROBE_RUNS runs per sequence that _probe would run. If it has, every sequence
-        with fewer than POOLED_RUNS runs of its own is priced at the batch's pooled rates
-        instead of its average, which started from the engine-wide one: that is the previous
-        batches' text (at batch 32 on the H200 the batch after one at acceptance 0.5 started
-        at 0.5 whatever its own rate), and an average that moves 30 % a run has forgotten
-        little of it after a few."""
-        counts = np.array([self.tally.get(seq_ids[i], (0, 0, 0, 0)) for i in unpinned])  # [U, 4]
-        runs, firsts, tried, kept = counts.sum(axis=0).tolist()
-        if runs < PROBE_RUNS * _probe_count(len(unpinned)):
-            return False
-        first = firsts / runs
-        # optimistic about continuations until some were tried, as _acceptance is
-        cont = kept / tried if tried >= MIN_CONTINUATION_TRIALS else max(first, kept / max(tried, 1))
-        for i, own_runs in zip(unpinned, counts[:, 0].tolist(), strict=True):
-            if own_runs < POOLED_RUNS:
-                accept[i] = [first, cont]
-        return True
-
-    def _probe(self, unpinned: list[int], ks: list[int], limits: list[int]) -> None:
-        """A closed batch that does not know its acceptance yet (_pool) speculates on a few
-        of its sequences, PROBE_CAP tokens each, to learn it, instead of trying a cap over the
-        whole batch. Turning a draft on for the whole batch makes it catch up on every
-        prompt first: at batch 32 on the H200 ~4100 tokens, ~18 ms or 3 plain steps when
-        spent in one decode step (more beside prompt chunks), and the few exploring steps
-        spread the sequences' paces, so the batch ended 5 steps later: at acceptance 0.5
-        that cost 5-6 % of the run, which no cap wins back. A probe's sequences catch up on
-        their own prompts only, and they only get ahead of the others, so the batch does
-        not end later. last_cap stays 0: a probe step does not price any cap."""
-        count = _probe_count(len(unpinned))
-        for i in [i for i in unpinned if limits[i] > 0][:count]:
-            ks[i] = min(PROBE_CAP, limits[i], self.max_k)
-
-    def _worth_trying(self, n: int, expected: np.ndarray) -> bool:
-        """Whether some cap could beat plain decoding at the least it can cost
-        (CapCosts.floor_ratio): a closed batch that knows its acceptance tries a cap from
-        plain decoding only then. Trying one makes the draft catch up on every sequence, and
-        the tokens it would bring are known."""
-        step = self.costs.step
-        return any(expected[c] / self.caps.floor_ratio(step, n, c) >= MIN_SPEEDUP * SWITCH_MARGIN
-                   for c in range(1, len(expected)))
 
     def _charge_catch_up(self, n: int, expected: np.ndarray, lag: int,
                          longest: int) -> np.ndarray:

@@ -157,13 +157,6 @@ class CapCosts:
         kept = sorted(r for _, r in self._measured(step, batch_size, cap))
         return kept[len(kept) // 4] if kept else None
 
-    def floor_ratio(self, step: int, batch_size: int, cap: int) -> float:
-        """The least a step with this cap can cost, in plain steps: its estimate (ratio) if it
-        was measured, else the largest estimate of a smaller measured cap (a step never gets
-        cheaper with more proposals), else 1."""
-        measured = (self.ratio(step, batch_size, c) for c in range(1, cap + 1))
-        return max((r for r in measured if r is not None), default=1.0)
-
     def choose(self, step: int, batch_size: int, expected: list[float],
                explore_from_plain: bool = True) -> int:
         """The cap to run this step, given the tokens per sequence each cap is expected to emit

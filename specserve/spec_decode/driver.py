@@ -86,19 +86,30 @@ class SpeculationDriver:
         request waits for a slot (Scheduler.is_closed; see AdaptiveSpeculation._choose)."""
         proposals: list[list[int]] = [[] for _ in sampled]
         decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
+        self._step = None
+        if self.adaptive is not None and decoding:
+            # Timings of pure decode/verify steps teach the cost model; prompt chunks
+            # would blur them (B: decoding sequences, all of them sampling this step).
+            pure = len(decoding) == len(scheduled) and all(
+                s.num_new_tokens == 1 for s in scheduled)
+            self._step = _Step(len(decoding), 0, pure)
+            if (closed and self._settled_newest is not None
+                    and max(s.seq.seq_id for _, s in decoding) <= self._settled_newest):
+                # A draft model's closed batch settled on plain decoding (see below): no
+                # planning, nor any other per-sequence work. At batch 32 on the H200 the
+                # planning's host time made these plain steps ~1 ms (15 %) slower than the
+                # plain engine's, and the limits and lists built before it 0.1-0.15 ms (2 %).
+                # The policy's clock still advances, so cap measurements still expire and a
+                # later batch tries caps again (else an engine that settled at acceptance
+                # 0.5 never learned that a later batch accepted 0.9: measured, every later
+                # run plain).
+                self.adaptive.costs.step += 1
+                return proposals, None, None
         seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
-        self._step = None
-        if self.adaptive is not None:
-            if decoding:
-                # Timings of pure decode/verify steps teach the cost model; prompt chunks
-                # would blur them (B: decoding sequences, all of them sampling this step).
-                pure = len(decoding) == len(scheduled) and all(
-                    s.num_new_tokens == 1 for s in scheduled)
-                self._step = _Step(len(decoding), 0, pure)
-            if self._shadows:
-                for seq in seqs:
-                    self._resolve_shadow(seq)
+        if self._shadows:
+            for seq in seqs:
+                self._resolve_shadow(seq)
         if not any(ks):
             return proposals, None, None
         if self.adaptive is not None:
@@ -118,14 +129,6 @@ class SpeculationDriver:
                 self._step.num_proposals = sum(ks)
                 return proposals, None, None
             newest = max(ids)
-            if closed and self._settled_newest is not None and newest <= self._settled_newest:
-                # Settled on plain decoding: at batch 32 on the H200, the planning's host time
-                # made these plain steps ~1 ms (15 %) slower than the plain engine's. The
-                # policy's clock still advances, so cap measurements still expire and a later
-                # batch tries caps again (else an engine that settled at acceptance 0.5 never
-                # learned that a later batch accepted 0.9: measured, every later run plain).
-                self.adaptive.costs.step += 1
-                return proposals, None, None
             if closed and not self._step.pure and not self.adaptive.last_cap:
                 # A closed batch whose prompts are still being prefilled does not start
                 # speculating yet: the draft would catch up on the prompts of the sequences
