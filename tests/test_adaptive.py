@@ -20,7 +20,13 @@ from specserve.spec_decode.adaptive import (
     StepCosts,
     row_value,
 )
-from specserve.spec_decode.batch_cap import CAP_EXPIRY, CapCosts, batch_bucket, makespan_stretch
+from specserve.spec_decode.batch_cap import (
+    CAP_EXPIRY,
+    TRIES_PER_CAP,
+    CapCosts,
+    batch_bucket,
+    makespan_stretch,
+)
 from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
@@ -556,3 +562,22 @@ def test_a_caps_cost_is_the_lower_quartile_of_its_steps():
     for ratio in (4.3, 1.5):  # a slow step first
         caps.observe(0, 32, 2, PLAIN_SECONDS * ratio, PLAIN_SECONDS)
     assert caps.ratio(0, 32, 2) == pytest.approx(1.5)
+
+
+def test_the_largest_cap_is_tried_from_plain_only_if_its_extrapolated_cost_could_pay():
+    """While plain decoding is best the largest cap is tried (a draft may only pay with several
+    proposals), unless the measured caps' costs, extrapolated linearly, already rule it out:
+    in a closed batch of 32 on the H200 at acceptance 0.5 (where plain decoding was best),
+    caps 1 and 2 cost 1.37 and 1.6 plain steps, and trying cap 4 (2.0, for 1.94 tokens) made
+    the draft catch up on every sequence and ran steps at twice the plain cost."""
+    def chosen(a: float, measured: dict[int, float]) -> int:
+        caps = CapCosts()
+        for cap, ratio in measured.items():
+            for _ in range(TRIES_PER_CAP):
+                caps.observe(0, 32, cap, PLAIN_SECONDS * ratio, PLAIN_SECONDS)
+        expected = [1.0] + [1.0 + sum(a ** j for j in range(1, c + 1)) for c in range(1, 5)]
+        return caps.choose(0, 32, expected)
+
+    assert chosen(0.4, {1: 1.37, 2: 1.60}) == 0  # cap 4 at ~2.06: 1.65 tokens do not pay
+    assert chosen(0.4, {1: 1.37}) == 4  # one measured cap: no slope to go on
+    assert chosen(0.45, {1: 1.60, 2: 1.62}) == 4  # mostly a fixed cost: 1.79 tokens at ~1.66
