@@ -436,6 +436,7 @@ def _draft_policy(acceptance: float, cap_cost=None) -> tuple[AdaptiveSpeculation
     for seq_id in batch:
         policy.acceptance[seq_id] = [acceptance, acceptance]
         policy.continuation_trials[seq_id] = 100
+        policy.verified_runs[seq_id] = 100  # its own acceptance is known
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
     for _ in range(8 if cap_cost else 0):
         for cap in range(1, 5):
@@ -581,3 +582,20 @@ def test_the_largest_cap_is_tried_from_plain_only_if_its_extrapolated_cost_could
     assert chosen(0.4, {1: 1.37, 2: 1.60}) == 0  # cap 4 at ~2.06: 1.65 tokens do not pay
     assert chosen(0.4, {1: 1.37}) == 4  # one measured cap: no slope to go on
     assert chosen(0.45, {1: 1.60, 2: 1.62}) == 4  # mostly a fixed cost: 1.79 tokens at ~1.66
+
+
+def test_a_new_closed_batch_runs_cap_1_once_to_learn_its_own_acceptance():
+    """The engine-wide acceptance (0.5) says plain decoding, every cap is measured, yet none of
+    this batch's sequences was verified: it runs cap 1 once (on text that accepts 0.7 it then
+    speculates), and a batch that verified its sequences decodes plainly."""
+    policy, batch = _draft_policy(0.5, lambda cap: 1.12 + 0.24 * cap)
+    closed = dict(plan_first=True, closed=True, remaining=[128] * 32, generated=[1] * 32)
+    policy.plan(batch, [4] * 32, **closed)
+    assert policy.last_cap == 0  # verified at 0.5: plain
+    new_batch = [seq_id + 100 for seq_id in batch]
+    policy.plan(new_batch, [4] * 32, **closed)
+    assert policy.last_cap == 1
+    for seq_id in new_batch:
+        policy.record(seq_id, 1, 1 if seq_id % 10 < 7 else 0)  # first proposals: 0.7
+    policy.plan(new_batch, [4] * 32, **closed)
+    assert policy.last_cap >= 1

@@ -242,6 +242,7 @@ class AdaptiveSpeculation:
     # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
+    verified_runs: dict[int, int] = field(default_factory=dict)  # seq_id -> runs recorded
     caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
     # batch bucket -> steps in a row it ran on a larger bucket's cap measurements
     borrowed_steps: dict[int, int] = field(default_factory=dict)
@@ -263,6 +264,7 @@ class AdaptiveSpeculation:
         # Continuations tried: proposals 2.. whose predecessor was accepted.
         trials = min(num_accepted, num_proposed - 1)
         self.continuation_trials[seq_id] = self.continuation_trials.get(seq_id, 0) + trials
+        self.verified_runs[seq_id] = self.verified_runs.get(seq_id, 0) + 1
         for target in (est, self.global_acceptance):
             w = EMA_WEIGHT if target is est else GLOBAL_EMA_WEIGHT
             target[0] += w * (first - target[0])
@@ -274,6 +276,7 @@ class AdaptiveSpeculation:
         self.idle_steps.pop(seq_id, None)
         self.probe_interval.pop(seq_id, None)
         self.continuation_trials.pop(seq_id, None)
+        self.verified_runs.pop(seq_id, None)
 
     def _acceptance(self, seq_id: int, pinned: bool) -> list[float]:
         """A sequence's averages, started at its first plan: pinned ones from a fixed prior
@@ -326,13 +329,13 @@ class AdaptiveSpeculation:
         if candidates:
             self._choose(n, ks, accept, candidates, closed)
         if plan_first:
-            self._cap(n, ks, limits, accept, pinned, remaining if closed else None,
+            self._cap(seq_ids, ks, limits, accept, pinned, remaining if closed else None,
                       generated if closed else None, lag)
             self._probe_pinned(seq_ids, limits, ks, pinned)
         return ks
 
-    def _cap(self, n: int, ks: list[int], limits: list[int], accept: list[list[float]],
-             pinned: list[bool], remaining: list[int] | None = None,
+    def _cap(self, seq_ids: list[int], ks: list[int], limits: list[int],
+             accept: list[list[float]], pinned: list[bool], remaining: list[int] | None = None,
              generated: list[int] | None = None, lag: int = 0) -> None:
         """A draft model's batch cap (batch_cap.py): every unpinned sequence proposes
         min(cap, its own k), where its own k is the longest run of proposals whose gains stay
@@ -360,6 +363,7 @@ class AdaptiveSpeculation:
         added to the cap's cost. At batch 32 on the H200 the draft's prefill of the prompts
         (4143 tokens, ~17 ms, ~3 plain steps) and the spread of the batch's end together
         ate the ~10 % a cap of 1 gains per step at acceptance 0.5."""
+        n = len(seq_ids)
         unpinned = [i for i in range(n) if not pinned[i]]
         self.last_cap = None if not unpinned else 0
         if not unpinned:
@@ -400,8 +404,13 @@ class AdaptiveSpeculation:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
+        # A closed batch none of whose sequences was verified yet knows nothing of its own
+        # acceptance: the engine-wide average is the previous batches' text.
+        unverified = generated is not None and not settled and not any(
+            self.verified_runs.get(seq_ids[i]) for i in unpinned)
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
-                                               explore_from_plain=not settled)
+                                               explore_from_plain=not settled,
+                                               learn=unverified)
         self.settled_plain = settled and cap == 0
         for i, k in zip(unpinned, own.tolist(), strict=True):
             ks[i] = min(cap, k)

@@ -158,7 +158,7 @@ class CapCosts:
         return kept[len(kept) // 4] if kept else None
 
     def choose(self, step: int, batch_size: int, expected: list[float],
-               explore_from_plain: bool = True) -> int:
+               explore_from_plain: bool = True, learn: bool = False) -> int:
         """The cap to run this step, given the tokens per sequence each cap is expected to emit
         (expected[0] = 1: plain decoding): a neighbour of the best measured cap while it has
         fewer than TRIES_PER_CAP measurements (one step can be a stalled one), else the best
@@ -169,7 +169,13 @@ class CapCosts:
         once, not only the one being run. Turning speculation on or off must also win by
         SWITCH_MARGIN: each time it is turned back on the draft catches up on the tokens it
         skipped, a step that cost 3-5 plain ones at batch 32 on the H200, and near break-even
-        the estimates' noise flipped it every few steps."""
+        the estimates' noise flipped it every few steps.
+
+        learn: the batch has not verified any proposal of its own yet (a new closed batch),
+        so when plain decoding is best on the engine's past acceptance it still runs cap 1
+        once, to learn its own. Without it, an engine whose caps were measured on text that
+        accepted 0.5 never tried one on a batch that accepted 0.7 (H200, batch 32: 0.98x,
+        where speculating gained 1.11x)."""
         max_k = len(expected) - 1
         bucket = batch_bucket(batch_size)
         current = self.current.get(bucket, 0)
@@ -181,8 +187,11 @@ class CapCosts:
             return s / SWITCH_MARGIN if (c > 0) != (current > 0) else s
 
         best = max(speedups, key=score)
-        choice = (self._explore(step, batch_size, best, expected)
-                  if best or explore_from_plain else 0)
+        if best == 0 and learn and current == 0:
+            choice = 1  # the cheapest step that verifies every sequence's first proposal
+        else:
+            choice = (self._explore(step, batch_size, best, expected)
+                      if best or explore_from_plain else 0)
         self.current[bucket] = choice
         return choice
 
