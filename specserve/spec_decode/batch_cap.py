@@ -16,8 +16,8 @@ per batch-size bucket; what it brings comes from the sequences' acceptance avera
 expected tokens per sequence). The planner runs the cap with the best predicted speedup and
 tries each neighbour of it twice (speedup is unimodal in c: each further proposal is accepted
 less often and costs more), and the largest cap twice while plain decoding is best (a draft
-that only pays with several proposals). Measurements expire, so caps are tried again as load
-changes.
+that only pays with several proposals) unless its cost, extrapolated from the measured caps,
+rules it out. Measurements expire, so caps are tried again as load changes.
 
 A batch that shrinks into a bucket with no measurements yet (requests finishing: the ragged end
 of a batch whose sequences advanced at different speeds) borrows the measurements of the
@@ -34,8 +34,8 @@ and the variance of the tokens a step brings, and the planner divides the expect
 each cap by it. At acceptance 0.5 with a 1B draft for an 8B target (c = 0.24) this turns a
 predicted 1.10x into ~1.02x, below the margin, so a batch that knows its acceptance decodes
 plainly; at 0.7 and 0.9 the stretch is 10-13 % and speculation still pays. (Measured at batch
-32: 0.96x at 0.5, from the few steps a new batch explores at its start; 1.12x and 1.53x at
-0.7 and 0.9.)
+32: 0.97x at 0.5, the one step in which a new batch learns its acceptance, with the draft's
+prefill of every prompt; 1.09-1.11x and 1.39-1.58x at 0.7 and 0.9.)
 """
 
 from __future__ import annotations
