@@ -312,9 +312,11 @@ def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tin
     monkeypatch.setattr(batch_cap, "MIN_SPEEDUP", 100.0)  # no cap ever pays
     llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
     engine = llm.llm_engine
-    calls = []
+    calls, limits = [], []
     plan = engine.speculation.adaptive.plan
     engine.speculation.adaptive.plan = lambda *a, **kw: calls.append(1) or plan(*a, **kw)
+    limit = engine.speculation._limit
+    engine.speculation._limit = lambda *a: limits.append(1) or limit(*a)
     for i, prompt in enumerate(test_prompts[:3]):
         engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
     outputs, steps = {}, 0
@@ -332,6 +334,8 @@ def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tin
             assert len(calls) > before  # a new sequence decodes: planned again
     assert [outputs[str(i)] for i in range(3)] == llama_reference[:3]
     assert len(calls) < steps // 2, (len(calls), steps)
+    # nor any per-sequence work before it (limits, lists: ~2 % of a plain step on the H200)
+    assert len(limits) < 3 * steps // 2, (len(limits), steps)
     # the policy's clock counted every step (cap measurements keep expiring)
     assert engine.speculation.adaptive.costs.step >= steps - 2
 
