@@ -129,19 +129,21 @@ class SpeculationDriver:
                 self._step.num_proposals = sum(ks)
                 return proposals, None, None
             newest = max(ids)
-            if closed and not self._step.pure and not self.adaptive.last_cap:
-                # A closed batch whose prompts are still being prefilled does not start
-                # speculating yet: the draft would catch up on the prompts of the sequences
-                # decoding so far beside the target's prompt chunks, and on the rest in the
-                # next steps. At batch 32 on the H200 that spread the draft's prefill over
-                # three steps, ~54 ms, against ~18 ms in one decode step.
+            lag = self.proposer.catch_up_tokens(seqs) if closed else 0
+            if closed and not self._step.pure and lag > CATCH_UP_MEASURED * len(seqs):
+                # While a closed batch's prompts are still being prefilled, a draft that is
+                # far behind (the prompts it never saw) does not start: it would catch up on
+                # the prompts of the sequences decoding so far beside the target's prompt
+                # chunks, and on the rest in the next steps. At batch 32 on the H200 that
+                # spread the draft's prefill over three steps, ~54 ms, against ~18 ms in one
+                # decode step.
                 self.adaptive.costs.step += 1
                 return proposals, None, None
             ks = self.adaptive.plan(
                 ids, ks, pinned=pinned, plan_first=True, closed=closed,
                 remaining=[self._remaining(seq) for seq in seqs] if closed else None,
                 generated=[seq.num_output_tokens for seq in seqs] if closed else None,
-                lag=self.proposer.catch_up_tokens(seqs) if closed else 0)
+                lag=lag)
             settled = closed and self.adaptive.settled_plain and not any(pinned)
             self._settled_newest = newest if settled else None
             self._step.cap = self.adaptive.last_cap
