@@ -317,6 +317,15 @@ def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tin
     engine.speculation.adaptive.plan = lambda *a, **kw: calls.append(1) or plan(*a, **kw)
     limit = engine.speculation._limit
     engine.speculation._limit = lambda *a: limits.append(1) or limit(*a)
+    reserved = []  # per step: KV slots reserved for proposals, over the batch
+    schedule = engine.scheduler.schedule
+
+    def spy_schedule():
+        out = schedule()
+        reserved.append(sum(s.num_lookahead for s in out.scheduled))
+        return out
+
+    engine.scheduler.schedule = spy_schedule
     for i, prompt in enumerate(test_prompts[:3]):
         engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
     outputs, steps = {}, 0
@@ -334,8 +343,10 @@ def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tin
             assert len(calls) > before  # a new sequence decodes: planned again
     assert [outputs[str(i)] for i in range(3)] == llama_reference[:3]
     assert len(calls) < steps // 2, (len(calls), steps)
-    # nor any per-sequence work before it (limits, lists: ~2 % of a plain step on the H200)
+    # nor any per-sequence work before it (limits, lists: ~2 % of a plain step on the H200),
+    # nor KV slots reserved for proposals and rolled back
     assert len(limits) < 3 * steps // 2, (len(limits), steps)
+    assert reserved.count(0) > steps // 2, reserved
     # the policy's clock counted every step (cap measurements keep expiring)
     assert engine.speculation.adaptive.costs.step >= steps - 2
 

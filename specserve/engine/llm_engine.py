@@ -108,6 +108,7 @@ class LLMEngine:
         # reserves its proposals' slots (unused ones are rolled back after the step); they
         # are not tokens of one forward, so they take no token budget.
         lookahead = max(k, self.num_scheduler_steps - 1)
+        self.lookahead_slots = lookahead
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, max_tokens,
                                    num_lookahead_slots=lookahead,
                                    max_model_len=self.max_model_len,
@@ -278,6 +279,9 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
+        if self.speculation is not None:  # (never with multi-step decoding: checked above)
+            self.scheduler.num_lookahead_slots = (
+                self.lookahead_slots if self.speculation.wants_lookahead() else 0)
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._free_proposer_state(seq)

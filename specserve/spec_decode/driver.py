@@ -85,26 +85,30 @@ class SpeculationDriver:
         device ([S, K]: the lists then hold placeholders of the right lengths). closed: no
         request waits for a slot (Scheduler.is_closed; see AdaptiveSpeculation._choose)."""
         proposals: list[list[int]] = [[] for _ in sampled]
-        decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
         self._step = None
+        if self._settled_newest is not None:
+            if closed and sampled and max(s.seq.seq_id for s in sampled) <= self._settled_newest:
+                # A draft model's closed batch settled on plain decoding (see below): no
+                # planning, nor any other per-sequence work, and no KV slots reserved for
+                # proposals (wants_lookahead). At batch 32 on the H200 the planning's host
+                # time made these plain steps ~1 ms (15 %) slower than the plain engine's,
+                # and the limits and lists built before it 0.1-0.15 ms (2 %). The policy's
+                # clock still advances, so cap measurements still expire and a later batch
+                # tries caps again (else an engine that settled at acceptance 0.5 never
+                # learned that a later batch accepted 0.9: measured, every later run plain).
+                pure = len(sampled) == len(scheduled) and all(
+                    s.num_new_tokens == 1 for s in scheduled)
+                self._step = _Step(len(sampled), 0, pure)
+                self.adaptive.costs.step += 1
+                return proposals, None, None
+            self._settled_newest = None  # a sequence joined (or the batch opened): plan again
+        decoding = [(i, s) for i, s in enumerate(sampled) if s.num_lookahead > 0]
         if self.adaptive is not None and decoding:
             # Timings of pure decode/verify steps teach the cost model; prompt chunks
             # would blur them (B: decoding sequences, all of them sampling this step).
             pure = len(decoding) == len(scheduled) and all(
                 s.num_new_tokens == 1 for s in scheduled)
             self._step = _Step(len(decoding), 0, pure)
-            if (closed and self._settled_newest is not None
-                    and max(s.seq.seq_id for _, s in decoding) <= self._settled_newest):
-                # A draft model's closed batch settled on plain decoding (see below): no
-                # planning, nor any other per-sequence work. At batch 32 on the H200 the
-                # planning's host time made these plain steps ~1 ms (15 %) slower than the
-                # plain engine's, and the limits and lists built before it 0.1-0.15 ms (2 %).
-                # The policy's clock still advances, so cap measurements still expire and a
-                # later batch tries caps again (else an engine that settled at acceptance
-                # 0.5 never learned that a later batch accepted 0.9: measured, every later
-                # run plain).
-                self.adaptive.costs.step += 1
-                return proposals, None, None
         seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self._shadows:
@@ -173,6 +177,13 @@ class SpeculationDriver:
                     self._step.catch_up = out.num_catch_up_tokens
                 self._step.pure = False
         return proposals, draft_probs, pending
+
+    def wants_lookahead(self) -> bool:
+        """Whether the scheduler should reserve KV slots for proposals next step: not while a
+        closed batch is settled on plain decoding (reserving and rolling them back for every
+        sequence is host work a plain step would not do). A joining sequence ends that in its
+        prompt step (propose), so its first decode step plans with slots again."""
+        return self._settled_newest is None
 
     def _resolve_shadow(self, seq: Sequence) -> None:
         """Score a declined proposal once the committed tokens decide it: the acceptance a
