@@ -435,8 +435,7 @@ def _draft_policy(acceptance: float, cap_cost=None) -> tuple[AdaptiveSpeculation
     batch = list(range(32))
     for seq_id in batch:
         policy.acceptance[seq_id] = [acceptance, acceptance]
-        policy.continuation_trials[seq_id] = 100
-        policy.verified_runs[seq_id] = 100  # its own acceptance is known
+        policy.continuation_trials[seq_id] = 100  # verified: its own acceptance is known
     policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
     for _ in range(8 if cap_cost else 0):
         for cap in range(1, 5):

@@ -242,7 +242,6 @@ class AdaptiveSpeculation:
     # MAX_PROBE_INTERVAL), back to PROBE_INTERVAL once the sequence speculates on its merits
     probe_interval: dict[int, int] = field(default_factory=dict)
     continuation_trials: dict[int, int] = field(default_factory=dict)  # seq_id -> count
-    verified_runs: dict[int, int] = field(default_factory=dict)  # seq_id -> runs recorded
     caps: CapCosts = field(default_factory=CapCosts)  # plan-first proposers
     # batch bucket -> steps in a row it ran on a larger bucket's cap measurements
     borrowed_steps: dict[int, int] = field(default_factory=dict)
@@ -264,7 +263,6 @@ class AdaptiveSpeculation:
         # Continuations tried: proposals 2.. whose predecessor was accepted.
         trials = min(num_accepted, num_proposed - 1)
         self.continuation_trials[seq_id] = self.continuation_trials.get(seq_id, 0) + trials
-        self.verified_runs[seq_id] = self.verified_runs.get(seq_id, 0) + 1
         for target in (est, self.global_acceptance):
             w = EMA_WEIGHT if target is est else GLOBAL_EMA_WEIGHT
             target[0] += w * (first - target[0])
@@ -276,7 +274,6 @@ class AdaptiveSpeculation:
         self.idle_steps.pop(seq_id, None)
         self.probe_interval.pop(seq_id, None)
         self.continuation_trials.pop(seq_id, None)
-        self.verified_runs.pop(seq_id, None)
 
     def _acceptance(self, seq_id: int, pinned: bool) -> list[float]:
         """A sequence's averages, started at its first plan: pinned ones from a fixed prior
@@ -405,9 +402,10 @@ class AdaptiveSpeculation:
         settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
         # A closed batch none of whose sequences was verified yet knows nothing of its own
-        # acceptance: the engine-wide average is the previous batches' text.
+        # acceptance: the engine-wide average is the previous batches' text. (record() gives
+        # a sequence its continuation_trials entry at its first verified run.)
         unverified = generated is not None and not settled and not any(
-            self.verified_runs.get(seq_ids[i]) for i in unpinned)
+            seq_ids[i] in self.continuation_trials for i in unpinned)
         cap = self.last_cap = self.caps.choose(self.costs.step, n, expected.tolist(),
                                                explore_from_plain=not settled,
                                                learn=unverified)
