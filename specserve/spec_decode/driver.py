@@ -32,6 +32,12 @@ class _Step:
     catch_up: int = 0  # a long draft catch-up's tokens, in a step of decodes only
 
 
+def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence]) -> bool:
+    """The step runs only the batch's one-token decodes (no prompt chunks): its time is a
+    decode/verify step's (_Step.pure)."""
+    return batch_size == len(scheduled) and all(s.num_new_tokens == 1 for s in scheduled)
+
+
 class SpeculationDriver:
     def __init__(self, spec: SpeculativeConfig, proposer: Proposer, max_model_len: int,
                  spec_max_model_len: int) -> None:
@@ -96,9 +102,7 @@ class SpeculationDriver:
                 # clock still advances, so cap measurements still expire and a later batch
                 # tries caps again (else an engine that settled at acceptance 0.5 never
                 # learned that a later batch accepted 0.9: measured, every later run plain).
-                pure = len(sampled) == len(scheduled) and all(
-                    s.num_new_tokens == 1 for s in scheduled)
-                self._step = _Step(len(sampled), 0, pure)
+                self._step = _Step(len(sampled), 0, _decodes_only(len(sampled), scheduled))
                 self.adaptive.costs.step += 1
                 return proposals, None, None
             self._settled_newest = None  # a sequence joined (or the batch opened): plan again
@@ -106,9 +110,7 @@ class SpeculationDriver:
         if self.adaptive is not None and decoding:
             # Timings of pure decode/verify steps teach the cost model; prompt chunks
             # would blur them (B: decoding sequences, all of them sampling this step).
-            pure = len(decoding) == len(scheduled) and all(
-                s.num_new_tokens == 1 for s in scheduled)
-            self._step = _Step(len(decoding), 0, pure)
+            self._step = _Step(len(decoding), 0, _decodes_only(len(decoding), scheduled))
         seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self._shadows:
