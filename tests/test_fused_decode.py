@@ -111,7 +111,8 @@ def test_rotary_write_kv_partial_rotary_dim_falls_back():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter,cols,config", [(24, 64, (2, 32, 4, 1)),
                                                (20, 70, (8, 32, 4, 1)),
-                                               (3, 5000, (2, 2048, 8, 3))])
+                                               (3, 5000, (2, 2048, 8, 3)),
+                                               (4, 20, (2, 32, 4, 1))])
 def test_gate_up_silu_matches_gemv_then_silu_mul(inter, cols, config, dtype):
     """Even and uneven shapes (activation tail, column tail, several column blocks)."""
     gen = torch.Generator().manual_seed(inter + cols)

@@ -80,9 +80,11 @@ def test_add_rms_norm_matches_unfused(hidden):
 
 @pytest.mark.parametrize("rows,cols,bias,config", [(48, 64, False, (2, 32, 4, 3)),
                                                    (51, 70, True, (16, 32, 4, 1)),
-                                                   (6, 5000, True, (2, 2048, 8, 3))])
+                                                   (6, 5000, True, (2, 2048, 8, 3)),
+                                                   (5, 20, False, (2, 32, 4, 1))])
 def test_gemv_matches_linear(rows, cols, bias, config):
-    """One-row GEMV: even and uneven shapes (row tail, column tail, several column blocks)."""
+    """One-row GEMV: even and uneven shapes (row tail, column tail, several column blocks, one
+    partial block: the peeled first block alone)."""
     gen = torch.Generator().manual_seed(4)
     layer = torch.nn.Linear(cols, rows, bias=bias)
     x = torch.randn(2, cols, generator=gen)[1:]  # [1, K], a view
@@ -160,3 +162,10 @@ def test_linear_dispatch(monkeypatch):
     assert route(half[:4].view(2, 2, 64)) is None
     monkeypatch.delitem(gemv.ROWS_CONFIGS, (48, 64, 4))
     assert route(half[:3]) is None and route(half[:2]) == "rows"
+
+
+def test_pdl_is_for_cuda_tensors_only():
+    """CPU tensors (the interpreter) never get programmatic dependent launch."""
+    from specserve.model.layers import pdl
+
+    assert pdl.launch_options(torch.zeros(1)) == {"PDL": False}

@@ -11,14 +11,15 @@ On the device, in one process:
   2. model: a random Llama-3-8B-config model built with specserve's classes in bf16, and a
      float32 copy of the same weights as reference. A 384-token prompt then 8 teacher-forced
      decode steps (graph replays) for each variant (VARIANTS: all off; rotary + KV write;
-     and gate_up + silu; and the Triton argmax): logits bit-equal between variants? relative
-     error vs float32; 32 greedy tokens (the argmax graph) equal?
+     and gate_up + silu; and the Triton argmax; and programmatic dependent launch): logits
+     bit-equal between variants? relative error vs float32; 32 greedy tokens (the argmax
+     graph) equal?
   3. timing: GPU time of the batch-1 greedy decode graph (logits and argmax inside; the
      graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, the
      variants alternately (twice), then per-kernel GPU time per step from torch.profiler.
 
-The switches are fused_mlp.ENABLED, fused_argmax.ENABLED and the attention backend's
-fused_rotary_kv; graphs are recaptured after each flip.
+The switches are fused_mlp.ENABLED, fused_argmax.ENABLED, pdl.ENABLED and the attention
+backend's fused_rotary_kv; graphs are recaptured after each flip.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ if str(REPO) not in sys.path:
 sys.path.append(str(REPO / "benchmarks"))
 from bench_gpu_spec import cuda_time  # noqa: E402  (median CUDA-event time, as the benchmark)
 
-from specserve.model.layers import fused_argmax, fused_mlp, triton_ops  # noqa: E402
+from specserve.model.layers import fused_argmax, fused_mlp, pdl, triton_ops  # noqa: E402
 from specserve.model.layers.attention import triton_backend  # noqa: E402
 from specserve.model.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -172,15 +173,18 @@ def build(cfg, dtype: torch.dtype, src: torch.nn.Module | None = None) -> torch.
     return model.eval()
 
 
-# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV, Triton argmax)
-VARIANTS = {"off": (False, False, False), "rope": (True, False, False),
-            "rope+mlp": (True, True, False), "on": (True, True, True)}
+# variant -> (rotary + KV write fused, silu_mul in the gate_up GEMV, Triton argmax,
+# programmatic dependent launch of the Triton kernels: layers/pdl.py)
+VARIANTS = {"off": (False, False, False, False), "rope": (True, False, False, False),
+            "rope+mlp": (True, True, False, False), "on": (True, True, True, False),
+            "pdl": (True, True, True, True)}
 
 
 def set_fusions(runner: ModelRunner, variant: str) -> None:
-    rope_kv, mlp, argmax = VARIANTS[variant]
+    rope_kv, mlp, argmax, launch_pdl = VARIANTS[variant]
     fused_mlp.ENABLED = mlp
     fused_argmax.ENABLED = argmax
+    pdl.ENABLED = launch_pdl
     runner.backend.fused_rotary_kv = rope_kv
     if runner.graphs is not None:  # recapture with the new kernels
         runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN)
@@ -264,7 +268,8 @@ def model_checks(smoke: bool) -> None:
             f", decode {rel(logits[v][1:], ref_logits[1:]):.2e}; argmax == fp32 {agree:.0%}; "
             f"greedy agreeing prefix with fp32 {agreeing_prefix(tokens[v], ref_tokens)}"
             f"/{GREEDY_TOKENS}")
-    for a, b in (("rope", "off"), ("rope+mlp", "rope"), ("on", "rope+mlp"), ("on", "off")):
+    for a, b in (("rope", "off"), ("rope+mlp", "rope"), ("on", "rope+mlp"), ("on", "off"),
+                 ("pdl", "on")):
         say(f"{a} vs {b}: prefill logits bit-exact {torch.equal(logits[a][:1], logits[b][:1])}, "
             f"decode logits bit-exact {torch.equal(logits[a][1:], logits[b][1:])} (max |d| "
             f"{(logits[a] - logits[b]).abs().max().item():.3g}); greedy tokens equal "

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from specserve.model.layers import triton_ops
+from specserve.model.layers import pdl, triton_ops
 
 #: Module-level switch (A/B timing in tests/gpu/check_fused_decode.py); off = the unfused path.
 ENABLED = True
@@ -47,18 +47,32 @@ def _kernel():
 
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, out_ptr, inter, n_cols, stride_w, EVEN: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[i] = silu(w[i] . x) * (w[inter + i] . x) for BLOCK_N / 2 values of i per
         program. Tile row r holds weight row (r % 2) * inter + i0 + r // 2: gate and up of one
-        activation are neighbours, so the row sums reshape to [BLOCK_N / 2, 2] and split."""
+        activation are neighbours, so the row sums reshape to [BLOCK_N / 2, 2] and split.
+        The first column block is peeled off the loop as in triton_ops' _gemv (PDL)."""
         HALF_N: tl.constexpr = BLOCK_N // 2
         r = tl.arange(0, BLOCK_N)
         act_idx = tl.program_id(0) * HALF_N + r // 2  # [BLOCK_N]
         row_mask = act_idx < inter
         rows = (r % 2) * inter + act_idx  # gate rows even, up rows odd
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, n_cols, BLOCK_K):
+        cols = tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(w_rows + cols[None, :])
+        else:
+            w = tl.load(w_rows + cols[None, :],
+                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if EVEN:
+            x = tl.load(x_ptr + cols)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # [BLOCK_N, BLOCK_K]
+        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 x = tl.load(x_ptr + cols)
@@ -93,7 +107,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
     even = inter % (block_n // 2) == 0 and n_cols % block_k == 0
     _kernel()[(triton.cdiv(inter, block_n // 2),)](
         x, weight, out, inter, n_cols, weight.stride(0), EVEN=even, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_options(x))
     return out
 
 

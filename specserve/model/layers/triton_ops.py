@@ -20,6 +20,7 @@ import importlib.util
 import torch
 
 from specserve.model.layers import gemv as multirow
+from specserve.model.layers import pdl
 
 MAX_FUSED_HIDDEN = 16384  # one program holds a whole row in registers up to this width
 
@@ -50,7 +51,10 @@ def _kernels():
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -63,8 +67,12 @@ def _kernels():
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r,
-                             stride_o, stride_res, n_cols, eps, BLOCK: tl.constexpr):
+                             stride_o, stride_res, n_cols, eps, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         """res = x + r rounded to the residual dtype (as torch's add), out = RMSNorm(res)."""
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -101,9 +109,13 @@ def _kernels():
         tl.store(o_row + HALF, (x2 * c + x1 * s_hi).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         """x [T, 2 * inter] = [gate | up] -> out [T, inter] = silu(gate) * up, rounded like
         torch (silu in float32 rounded to x's dtype, then the product rounded)."""
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -125,7 +137,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if num_rows:
         block = _pow2(hidden)
         _kernels()[0][(num_rows,)](x, weight, out, x.stride(0), out.stride(0), hidden, eps,
-                                      BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                      BLOCK=block, num_warps=min(16, max(1, block // 512)),
+                                      **pdl.launch_options(x))
     return out
 
 
@@ -148,7 +161,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         _kernels()[3][(num_rows,)](x, residual, weight, out, new_residual, x.stride(0),
                                    residual.stride(0), out.stride(0), new_residual.stride(0),
                                    hidden, eps, BLOCK=block,
-                                   num_warps=min(16, max(1, block // 512)))
+                                   num_warps=min(16, max(1, block // 512)),
+                                   **pdl.launch_options(x))
     return out, new_residual
 
 
@@ -181,7 +195,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         grid = (num_tokens, (inter + SILU_BLOCK - 1) // SILU_BLOCK)
         _kernels()[2][grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=SILU_BLOCK,
-                            num_warps=4)
+                            num_warps=4, **pdl.launch_options(x))
     return out
 
 
@@ -208,13 +222,31 @@ def _gemv_kernel():
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_w, HAS_BIAS: tl.constexpr,
-              EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[n] = sum_k w[n, k] * x[k] (+ b[n]): BLOCK_N rows per program, float32 sums."""
+              EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr):
+        """out[n] = sum_k w[n, k] * x[k] (+ b[n]): BLOCK_N rows per program, float32 sums.
+
+        The first BLOCK_K columns are peeled off the loop: their weights are loaded before
+        the PDL wait (they are no earlier kernel's output), so with PDL they stream while the
+        previous kernel finishes. Sums are the same: acc starts as the first products."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, n_cols, BLOCK_K):
+        cols = tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(w_rows + cols[None, :])
+        else:
+            w = tl.load(w_rows + cols[None, :],
+                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if EVEN:
+            x = tl.load(x_ptr + cols)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # [BLOCK_N, BLOCK_K]
+        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 x = tl.load(x_ptr + cols)
@@ -245,7 +277,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _gemv_kernel()[(triton.cdiv(n_rows, block_n),)](
         x, weight, bias if bias is not None else weight, out, n_rows, n_cols, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl.launch_options(x))
     return out
 
 

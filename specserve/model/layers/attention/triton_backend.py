@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specserve.model.layers import pdl
 from specserve.model.layers.attention import triton_kernels as kernels
 from specserve.model.layers.attention.backend import AttentionBackend
 from specserve.model.layers.attention.metadata import AttentionMetadata
@@ -166,7 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             PAGE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-            BLOCK_H=_pow2(kv_heads), BLOCK_D=_pow2(head_dim),
+            BLOCK_H=_pow2(kv_heads), BLOCK_D=_pow2(head_dim), **pdl.launch_options(key),
         )
 
     def rotate_and_write_kv(self, qkv, rotary, rope, k_cache, v_cache, meta) -> torch.Tensor:
@@ -191,7 +192,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_D=_pow2(half),
-            PAGE=k_cache.shape[1], num_warps=1,
+            PAGE=k_cache.shape[1], num_warps=1, **pdl.launch_options(qkv),
         )
         return q
 
@@ -230,7 +231,7 @@ class TritonAttentionBackend(AttentionBackend):
             # fp32 callers asked for fp32: keep tf32 out of the dot products.
             PRECISION="ieee" if query.dtype == torch.float32 or interp_bf16 else "tf32",
             DOT_F32=interp_bf16,
-            num_warps=shape.num_warps, num_stages=shape.num_stages,
+            num_warps=shape.num_warps, num_stages=shape.num_stages, **pdl.launch_options(query),
         )
         if split:
             kernels.reduce_splits_kernel[(num_tokens, num_heads)](
@@ -239,7 +240,7 @@ class TritonAttentionBackend(AttentionBackend):
                 # two variants only (each new one is a compile in the middle of serving)
                 HEAD_DIM=head_dim, BLOCK_D=block_d,
                 BLOCK_S=16 if shape.num_splits <= 16 else _pow2(MAX_SPLITS),
-                num_warps=4,
+                num_warps=4, **pdl.launch_options(out),
             )
         return out
 

@@ -39,11 +39,14 @@ def write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     PAGE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token: key/value [KvH, D] -> cache[slot // PAGE, slot % PAGE].
 
     A negative slot is skipped: padded tokens (e.g. in a captured CUDA graph) write nothing."""
+    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -68,7 +71,7 @@ def rotary_write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch,
     stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid = (num_tokens, H + 2 * KvH): one program per head of a packed projection row.
 
@@ -78,6 +81,9 @@ def rotary_write_kv_kernel(
     into the caches at cache[slot // PAGE, slot % PAGE]. The rotation is the rotary kernel's
     (float32, rounded to qkv's dtype), so the cache holds what rotary + write_kv stored.
     A negative slot (padded token) writes no K/V; its q row is still written."""
+    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -126,7 +132,7 @@ def paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid = (num_seqs, kv_heads, num_q_tiles * num_splits).
 
@@ -136,6 +142,9 @@ def paged_attention_kernel(
     DOT_F32 upcasts the dot operands to fp32: only for bf16 under the CPU interpreter, whose
     bf16 ``tl.dot`` multiplies the raw uint16 storage (triton 3.9); never set on a GPU.
     """
+    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     tile = tl.program_id(2) // num_splits
@@ -221,9 +230,12 @@ def paged_attention_kernel(
 def reduce_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     num_splits, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid = (num_tokens, num_heads): merge the splits' (max, sum, acc) into the output row."""
+    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
