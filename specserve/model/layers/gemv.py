@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from specserve.model.layers import pdl
+
 MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
 
@@ -107,10 +109,14 @@ def _kernel():
     def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x, stride_w,
                    stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, USE_DOT: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
         and all n_m <= BLOCK_M rows m. EVEN: n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0
-        (no weight masks)."""
+        (no weight masks). PDL (layers/pdl.py): the wait comes first; the loop is left
+        whole for the software pipelining of its loads."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows [BLOCK_N]
         row_mask = rows < n_rows
         m = tl.arange(0, BLOCK_M)
@@ -167,5 +173,5 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=even,
         USE_DOT=use_dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x))
     return out
