@@ -93,3 +93,58 @@ def test_rms_norm_module_uses_the_kernel(monkeypatch):
     x, residual = torch.randn(2, 64), torch.randn(2, 64)
     out, summed = norm.add_and_norm(x, residual)
     assert calls and torch.equal(summed, x + residual)
+
+
+def _runs_reference(q, k, v, starts, lens, scale):
+    """SDPA per sequence with the kernel's mask: query i of a run of length n in a sequence of
+    length L sees keys [0, L - n + i]; KV heads repeated for grouped queries (HF's mapping)."""
+    outs = []
+    group = q.shape[1] // k.shape[1]
+    for s in range(k.shape[0]):
+        n, length = starts[s + 1] - starts[s], lens[s]
+        allowed = torch.ones(n, length, dtype=torch.bool).tril_(length - n)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[starts[s]:starts[s + 1]].transpose(0, 1), k[s, :, :length].repeat_interleave(group, 0),
+            v[s, :, :length].repeat_interleave(group, 0), attn_mask=allowed, scale=scale)
+        outs.append(out.transpose(0, 1))  # [n, H, D]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,runs", [
+    (9, 3, 64, [(1, 300)]),  # SmolLM2 decode
+    (9, 3, 64, [(6, 420)]),  # SmolLM2 verification of 5 proposals
+    (8, 2, 128, [(1, 17), (4, 40), (2, 2), (0, 5)]),  # mixed runs, an empty one, a tail of 16
+    (4, 4, 16, [(1, 1), (1, 33), (16, 16)]),  # one key; no grouping; a run as long as its context
+])
+def test_run_attention_matches_sdpa(heads, kv_heads, head_dim, runs):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    lens = [length for _, length in runs]
+    starts = [0]
+    for n, _ in runs:
+        starts.append(starts[-1] + n)
+    keys = max(lens) + 3  # contexts gathered to more keys than any sequence has
+    q = torch.randn(starts[-1], heads, head_dim, generator=gen) * 2
+    # [S, KvH, K, D] strided views of [S, K + 2, KvH, D] buffers, as the context mirror gives
+    k = torch.randn(len(runs), keys + 2, kv_heads, head_dim, generator=gen)[:, :keys].transpose(1, 2)
+    v = torch.randn(len(runs), keys + 2, kv_heads, head_dim, generator=gen)[:, :keys].transpose(1, 2)
+    got = kernels.run_attention(q, k, v, torch.tensor(starts), torch.tensor(lens), 0.3)
+    want = _runs_reference(q, k, v, starts, lens, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)  # float32 summation order
+    # each query row is computed alone: the last row of a run equals it as a one-token run
+    last = starts[1] - 1
+    if last >= 0:
+        alone = kernels.run_attention(q[last:last + 1], k[:1], v[:1], torch.tensor([0, 1]),
+                                      torch.tensor([lens[0]]), 0.3)
+        assert torch.equal(alone[0], got[last])
+
+
+def test_run_attention_rejects_bad_input():
+    q = torch.randn(2, 4, 64)
+    k = v = torch.randn(1, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="16, 32, 64 or 128"):
+        kernels.run_attention(torch.randn(2, 4, 24), torch.randn(1, 2, 8, 24),
+                              torch.randn(1, 2, 8, 24), torch.tensor([0, 2]), torch.tensor([8]), 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernels.run_attention(q, k, v, torch.tensor([0, 2]), torch.tensor([9]), 1.0)  # > keys
+    with pytest.raises(RuntimeError, match="end at the number of tokens"):
+        kernels.run_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([8]), 1.0)

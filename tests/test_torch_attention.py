@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import cpu_runner, hf_model
 
-from specserve.model.layers.attention import torch_context_mirror
+from specserve.model.layers.attention import torch_backend, torch_context_mirror
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 BLOCK = 4  # small blocks: contexts cross many block and capacity boundaries
@@ -69,9 +69,15 @@ class _Pair:
             row += len(run.token_ids)
 
 
-@pytest.fixture
-def pair(tiny_llama, monkeypatch):
-    return _Pair(tiny_llama, monkeypatch)
+@pytest.fixture(params=["kernel", "torch"])
+def pair(request, tiny_llama, monkeypatch):
+    """Decode and verification steps through csrc/attention.cpp ("kernel") or through the torch
+    layouts it replaces on float32 CPU tensors ("torch", still the path for other dtypes)."""
+    if request.param == "torch":
+        monkeypatch.setattr(torch_backend, "MAX_KERNEL_RUN", 0)
+    p = _Pair(tiny_llama, monkeypatch)
+    p.attention = request.param
+    return p
 
 
 def _seqs(vocab: int, lengths: list[int], seed: int = 0) -> list[_Seq]:
@@ -225,8 +231,12 @@ def test_a_few_longer_runs_in_a_decode_batch_are_split_off(pair, monkeypatch):
                                                           [0, 4, 0, 0, 1, 0], strict=True)])
     pair.step(seqs, [s.run(n) for s, n in zip(seqs, [1, 1, 1, 20, 1, 1], strict=True)])
     pair.step(seqs, [s.run(1) for s in seqs])
-    assert layouts == ["_PrefillLayout", "_DecodeLayout", "_SplitLayout", "_SplitLayout",
-                       "_SplitLayout", "_DecodeLayout"]
+    if pair.attention == "torch":
+        assert layouts == ["_PrefillLayout", "_DecodeLayout", "_SplitLayout", "_SplitLayout",
+                           "_SplitLayout", "_DecodeLayout"]
+    else:  # every run of at most 16 tokens goes to the kernel, the 20-token chunk does not
+        assert layouts == ["_PrefillLayout"] + ["_KernelRunsLayout"] * 3 + [
+            "_SplitLayout", "_KernelRunsLayout"]
 
 
 def test_a_shrinking_batch_compacts_the_mirror(pair, monkeypatch):

@@ -282,6 +282,36 @@ class _SplitLayout(_ContextLayout):
         return torch.cat(outs).index_select(0, self.source)  # [T, H, D]
 
 
+class _KernelRunsLayout(_ContextLayout):
+    """Decode and verification steps (every run at most MAX_KERNEL_RUN tokens, none a whole
+    prompt) on float32 CPU tensors: csrc/attention.cpp attends every run against its context in
+    one call, with no padding, mask or query gather (2.5x faster than SDPA for one query per
+    sequence and 1.6x for six on SmolLM2's shapes). Anything the kernel does not take (another
+    dtype, a head size other than 16, 32, 64 or 128) goes to the layout prepare() would
+    otherwise have picked, built on first use."""
+
+    def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None, fallback) -> None:
+        super().__init__(meta, mirror)
+        self.query_start = meta.query_start_loc.to(torch.int64)  # [S + 1]
+        self.seq_lens = meta.seq_lens.to(torch.int64)  # [S]
+        self._fallback_factory = fallback
+        self._fallback: _Layout | None = None
+
+    def attend(self, query, k_cache, v_cache, scale):
+        head_dim = query.shape[-1]
+        if cpu_kernels.available(query) and head_dim in (16, 32, 64, 128) \
+                and k_cache.dtype == torch.float32 and query.stride(-1) == 1:
+            k, v = self.context(k_cache, v_cache, self.seq_lens.shape[0])  # [S, KvH, K, D]
+            return cpu_kernels.load().run_attention(query, k, v, self.query_start,
+                                                    self.seq_lens, scale)  # [T, H, D]
+        if self._fallback is None:
+            self._fallback = self._fallback_factory()
+        return self._fallback.attend(query, k_cache, v_cache, scale)
+
+
+MAX_KERNEL_RUN = 16  # longest query run csrc/attention.cpp serves (it does no tiling)
+
+
 def _padding_dominates(meta: AttentionMetadata) -> bool:
     """Padding every run to the longest would at least double the query rows: then the split
     layout (no padding, one extra attention call per longer run) is the cheaper one."""
@@ -301,12 +331,19 @@ class TorchAttentionBackend(AttentionBackend):
         if whole_prompts:
             self.mirror.invalidate()  # this step writes K/V the mirror does not follow
             layout: _Layout = _PrefillLayout(meta)
-        elif meta.max_query_len == 1:
-            layout = _DecodeLayout(meta, self.mirror.plan(meta))
-        elif _padding_dominates(meta):
-            layout = _SplitLayout(meta, self.mirror.plan(meta))
-        else:  # the mirror serves short runs (verification) and drops out for prompt chunks
-            layout = _MixedLayout(meta, self.mirror.plan(meta))
+        else:
+            mirror = self.mirror.plan(meta)
+            if meta.max_query_len == 1:
+                kind: type[_ContextLayout] = _DecodeLayout
+            elif _padding_dominates(meta):
+                kind = _SplitLayout
+            else:  # the mirror serves short runs (verification), drops out for prompt chunks
+                kind = _MixedLayout
+            if (meta.max_query_len <= MAX_KERNEL_RUN and meta.slot_mapping.device.type == "cpu"
+                    and cpu_kernels.load() is not None):
+                layout = _KernelRunsLayout(meta, mirror, lambda: kind(meta, mirror))
+            else:
+                layout = kind(meta, mirror)
         meta.backend_state["torch"] = layout
 
     def rotate_and_write_kv(self, qkv, rotary, rope, k_cache, v_cache, meta) -> torch.Tensor:

@@ -35,3 +35,10 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
                             const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_mirror,
                             const c10::optional<torch::Tensor>& v_mirror,
                             const c10::optional<torch::Tensor>& mirror_rows);
+
+// attention.cpp: short query runs (decode, verification) against each sequence's context;
+// q [T, H, D], k/v [S, KvH, K, D] views; query i of a run of length q in a sequence of length L
+// sees keys [0, L - q + i]
+torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& query_start, const torch::Tensor& seq_lens,
+                            double scale);

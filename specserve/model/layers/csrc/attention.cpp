@@ -1,0 +1,259 @@
+// Attention of short query runs (decode: 1 token per sequence; speculative verification: k + 1)
+// against each sequence's context, float32.
+//
+// Why: at batch 1 a SmolLM2 step attends 1 (decode) or ~6 (verification) query tokens x 9 heads
+// to a few hundred keys: ~0.5 or ~3 M multiply-adds per layer, a few microseconds of arithmetic.
+// torch's CPU SDPA took 30-50 us (decode) and 80-110 us (6 queries, with the causal mask) per
+// layer on the 2-core CI machine, 1.5 and 3.3 ms of a 11-16 ms step: its flash kernel cuts the
+// problem into blocks sized for long prompts and calls a GEMM per block. Here each (sequence,
+// query head) is one task that keeps its query rows, scores and output in cache, with no mask
+// tensor: query i of a run of length q in a sequence of length L sees keys [0, L - q + i].
+//
+// Arithmetic: scores s_j = scale * (q . k_j) summed in float32 (16-lane partial sums, then a
+// lane reduction; 16 keys share one reduction tree), softmax with max subtraction, exp by a float32 polynomial (within ~2 ulp of
+// std::exp, as SDPA's vectorized exp also is), out = sum_j p_j v_j / sum_j p_j. Results equal
+// SDPA's to float32 rounding, not bit for bit (tests/test_cpu_kernels.py). Each query row is
+// computed the same way whatever the run length, so a token's attention output does not depend
+// on how many proposals are verified beside it.
+
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float hsum16(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// The 16 lane sums of v[0..15] as one vector: out[j] = sum of v[j]'s lanes. A transpose-and-add
+// tree, ~3 shuffles and adds per input where a separate reduction of each costs ~8.
+inline f32x16 sum16x16(const f32x16* v) {
+#if defined(__AVX512F__)
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // lanes 4l..4l+3 of w[i]: 2 partial sums each of v[2i], v[2i+1]
+    const __m512 a = reinterpret_cast<__m512>(v[2 * i]), b = reinterpret_cast<__m512>(v[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane of x[i]: one partial sum of v[4i..4i+3]
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44),
+                                   _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44),
+                                   _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  const __m512 out = _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                                   _mm512_shuffle_f32x4(z01, z23, 0xDD));
+  return reinterpret_cast<f32x16>(out);
+#else
+  f32x16 out;
+  for (int j = 0; j < 16; ++j) out[j] = hsum16(v[j]);
+  return out;
+#endif
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2.
+// Degree-6 polynomial (Cephes' expf coefficients); values below -87 flush to 0.
+inline f32x16 exp16(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.0f;
+  x = x < lo ? lo : x;
+  // round to nearest for x <= 0: truncation of x log2(e) - 1/2
+  const f32x16 n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16), f32x16);
+  f32x16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t kKeyChunk = 64;  // keys whose K rows stay in L1 while every query row passes
+
+// out[r] = sum_t p[r, t] v_t * inv_sum[r] for ROWS rows; row r sees keys [0, first_keys + r)
+// (its probabilities past that are 0, so the pass runs to the last row's keys).
+template <int CH, int ROWS>
+void weighted_values_rows(const float* p, int64_t ld, const float* inv_sums, int64_t first_keys,
+                          const float* v, int64_t kv_stride, float* out, int64_t out_stride) {
+  f32x16 acc[ROWS][CH];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CH; ++c) acc[r][c] = f32x16{};
+  const int64_t keys = first_keys + ROWS - 1;
+  for (int64_t t = 0; t < keys; ++t) {
+    const float* vt = v + t * kv_stride;
+    f32x16 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
+    for (int r = 0; r < ROWS; ++r) {
+      const float pr = p[r * ld + t];
+      for (int c = 0; c < CH; ++c) acc[r][c] += pr * vv[c];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CH; ++c) store16(out + r * out_stride + 16 * c, acc[r][c] * inv_sums[r]);
+}
+
+template <int CH, int MAX_ROWS>
+void weighted_values(int rows, const float* p, int64_t ld, const float* inv_sums,
+                     int64_t first_keys, const float* v, int64_t kv_stride, float* out,
+                     int64_t out_stride) {
+  if constexpr (MAX_ROWS > 1) {
+    if (rows < MAX_ROWS)
+      return weighted_values<CH, MAX_ROWS - 1>(rows, p, ld, inv_sums, first_keys, v, kv_stride,
+                                               out, out_stride);
+  }
+  weighted_values_rows<CH, MAX_ROWS>(p, ld, inv_sums, first_keys, v, kv_stride, out, out_stride);
+}
+
+// One (sequence, query head): rows [0, q_len) of q against the keys/values of its KV head.
+// CH = head_dim / 16. Keys are visited in chunks that stay in L1 for all query rows, and the
+// weighted sum of values keeps up to R rows' accumulators in registers while V streams once:
+// re-reading K and V from L2 for every query row made the first version memory-bound.
+template <int CH>
+void attend_head(const float* q, int64_t q_stride, int64_t q_len, const float* k, const float* v,
+                 int64_t kv_stride, int64_t seq_len, float scale, float* out,
+                 int64_t out_stride, std::vector<float>& buffer) {
+  constexpr int R = CH >= 8 ? 3 : (CH >= 4 ? 6 : 8);  // rows per value pass: R * CH <= 24 registers
+  const int64_t first_keys = seq_len - q_len + 1;  // keys seen by the run's first query
+  const int64_t ld = ((seq_len + 15) / 16) * 16;  // scores row stride
+  buffer.resize(static_cast<size_t>(q_len * ld + q_len));
+  float* scores = buffer.data();  // [q_len, ld]: scores, then probabilities (0 past a row's keys)
+  float* inv_sums = scores + q_len * ld;  // [q_len]
+  // 1. scores
+  for (int64_t c0 = 0; c0 < seq_len; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(seq_len, c0 + kKeyChunk);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t hi = std::min(c1, first_keys + i);
+      f32x16 qv[CH];
+      for (int c = 0; c < CH; ++c) qv[c] = load16(q + i * q_stride + 16 * c);
+      float* row = scores + i * ld;
+      int64_t j = c0;
+      for (; j + 16 <= hi; j += 16) {  // 16 keys at a time, one reduction tree
+        f32x16 acc[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const float* kj = k + (j + jj) * kv_stride;
+          f32x16 a = qv[0] * load16(kj);
+          for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
+          acc[jj] = a;
+        }
+        store16(row + j, sum16x16(acc) * scale);
+      }
+      for (; j < hi; ++j) {
+        const float* kj = k + j * kv_stride;
+        f32x16 a = qv[0] * load16(kj);
+        for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
+        row[j] = hsum16(a) * scale;
+      }
+    }
+  }
+  // 2. softmax numerators; keys past a row's limit get probability 0
+  for (int64_t i = 0; i < q_len; ++i) {
+    float* row = scores + i * ld;
+    const int64_t keys = first_keys + i;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < keys; ++j) m = std::max(m, row[j]);
+    for (int64_t j = keys; j < ld; ++j) row[j] = -INFINITY;
+    f32x16 total = f32x16{};
+    for (int64_t j = 0; j < ld; j += 16) {
+      const f32x16 x = load16(row + j) - m;
+      f32x16 p = exp16(x);
+      p = x == -INFINITY ? f32x16{} : p;  // masked keys: exactly 0
+      store16(row + j, p);
+      total += p;
+    }
+    inv_sums[i] = 1.0f / hsum16(total);
+  }
+  // 3. out = probabilities @ values, up to R rows per pass over V
+  for (int64_t r0 = 0; r0 < q_len; r0 += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, q_len - r0));
+    weighted_values<CH, R>(rows, scores + r0 * ld, ld, inv_sums + r0, first_keys + r0, v,
+                           kv_stride, out + r0 * out_stride, out_stride);
+  }
+}
+
+using HeadFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t,
+                        int64_t, float, float*, int64_t, std::vector<float>&);
+
+HeadFn head_fn(int64_t head_dim) {
+  switch (head_dim / 16) {
+    case 1: return attend_head<1>;
+    case 2: return attend_head<2>;
+    case 4: return attend_head<4>;
+    case 8: return attend_head<8>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& query_start, const torch::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
+              "q must be float32 [T, H, D] with a contiguous last dim");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
+                  k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
+              "k, v must be float32 [S, KvH, K, D] views with equal strides");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = k.size(0), kv_heads = k.size(1), max_k = k.size(2);
+  const HeadFn fn = head_fn(head_dim);
+  TORCH_CHECK(k.size(3) == head_dim && head_dim % 16 == 0 && fn != nullptr,
+              "head_dim must be 16, 32, 64 or 128 (a multiple of 16)");
+  TORCH_CHECK(num_heads % kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query_start.scalar_type() == torch::kInt64 && query_start.numel() == num_seqs + 1 &&
+                  seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == num_seqs &&
+                  !query_start.is_cuda() && !seq_lens.is_cuda(),
+              "query_start [S + 1] and seq_lens [S] must be int64 CPU tensors");
+  const torch::Tensor qs = query_start.contiguous(), sl = seq_lens.contiguous();
+  const int64_t* starts = qs.data_ptr<int64_t>();
+  const int64_t* lens = sl.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 0 && lens[s] <= max_k && q_len <= lens[s],
+                "each run needs 0 <= query length <= context length <= keys given");
+  }
+  TORCH_CHECK(starts[num_seqs] == q.size(0), "query_start must end at the number of tokens");
+  torch::Tensor out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
+  const int64_t group = num_heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kv_stride = k.stride(2);
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_heads, h = task % num_heads, kvh = h / group;
+      const int64_t t0 = starts[s], q_len = starts[s + 1] - t0;
+      if (q_len == 0) continue;
+      fn(qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0), q_len,
+         kp + s * k.stride(0) + kvh * k.stride(1), vp + s * v.stride(0) + kvh * v.stride(1),
+         kv_stride, lens[s], static_cast<float>(scale), op + t0 * out.stride(0) + h * head_dim,
+         out.stride(0), buffer);
+    }
+  });
+  return out;
+}
