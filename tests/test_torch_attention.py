@@ -17,7 +17,9 @@ from specserve.model.layers.attention import torch_backend, torch_context_mirror
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 BLOCK = 4  # small blocks: contexts cross many block and capacity boundaries
-ATOL = 1e-4
+# float32 logits vs transformers': a wrong context is off by >1e-2; summation-order noise reached
+# 1.03e-4 on a logit of ~4 with the C++ kernel (as close to a float64 reference as SDPA is)
+ATOL = 2e-4
 
 
 def _runner(path) -> ModelRunner:
