@@ -101,7 +101,7 @@ def test_linear_dispatches_only_one_cuda_half_row():
 
 @pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
                                                      ("dot", 16, 32), ("dot", 32, 64)])
-@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True)])
+@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (9, 20, False)])
 def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
     """Multi-row GEMV (layers/gemv.py), both variants, M = 1..16 (each row bucket, and M not a
     power of two: padded rows must be neither read nor written), even and uneven N and K."""

@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specserve.model.layers import fused_argmax
+from specserve.model.layers import fused_argmax, pdl
 from specserve.model.layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -358,14 +358,15 @@ class CudaGraphRunner:
         self.buffers.fill(key, [], self.block_size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                self._forward(key, argmax)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        graphs, outputs = self._head(argmax)
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs[key] = self._forward(key, argmax)
+        with pdl.graph_launches():  # the warm-up compiles the kernels' PDL variants
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_RUNS):
+                    self._forward(key, argmax)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            graphs, outputs = self._head(argmax)
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs[key] = self._forward(key, argmax)
         graphs[key] = graph
         dt = time.perf_counter() - t0
         self.capture_seconds += dt

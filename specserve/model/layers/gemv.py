@@ -112,22 +112,36 @@ def _kernel():
                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
         and all n_m <= BLOCK_M rows m. EVEN: n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0
-        (no weight masks). PDL (layers/pdl.py): the wait comes first; the loop is left
-        whole for the software pipelining of its loads."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        (no weight masks). The first BLOCK_K columns are peeled off the loop: their weights
+        are loaded before the PDL wait (layers/pdl.py), as in triton_ops' one-row _gemv; the
+        sums are the same."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows [BLOCK_N]
         row_mask = rows < n_rows
         m = tl.arange(0, BLOCK_M)
         m_mask = m < n_m
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
         x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+        cols = tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(w_rows + cols[None, :])
+        else:
+            w = tl.load(w_rows + cols[None, :],
+                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if EVEN:
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < n_cols)[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
         if USE_DOT:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PRECISION)
         else:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, n_cols, BLOCK_K):
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)

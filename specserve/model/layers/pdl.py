@@ -14,7 +14,7 @@ the previous kernel's tail.
 
 Numerics do not change: the same operations in the same order, only started earlier.
 
-Only launches captured into a CUDA graph use it (``active``). Contract for a kernel taking a
+Only launches made for a CUDA graph use it (``graph_launches``). Contract for a kernel taking a
 ``PDL`` constexpr: with PDL set, it calls ``gdc_wait`` before its
 first load of anything an earlier kernel may write and before its first store. The launch site
 passes ``**launch_options(tensor)``. ``SPECSERVE_PDL=0`` (or ``ENABLED = False`` before graphs
@@ -23,6 +23,7 @@ are captured) turns it off; CPU tensors (the Triton interpreter in tests) never 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -44,11 +45,26 @@ def _device_supports(index: int) -> bool:
     return True
 
 
+_graph_launches = 0  # depth of graph_launches() blocks
+
+
+@contextlib.contextmanager
+def graph_launches():
+    """Launches inside this block use PDL (the CUDA-graph capture wraps its warm-up runs and
+    its capture in it). Eager launches do not: with PDL they measured slower on the host (the
+    enforce_eager batch-1 path of an 8B model went from 105 to 53 tok/s on an H200), and
+    asking torch whether the stream is capturing at every launch cost that path another
+    ~12 us per kernel; eager steps are bound by the host, not by kernel boundaries."""
+    global _graph_launches
+    _graph_launches += 1
+    try:
+        yield
+    finally:
+        _graph_launches -= 1
+
+
 def active(t: torch.Tensor) -> bool:
-    """On for launches into a CUDA graph being captured. Eager launches with PDL measured
-    slower on the host (the enforce_eager batch-1 path of an 8B model went from 105 to 53
-    tok/s on an H200), and eager steps are bound by the host, not by kernel boundaries."""
-    return (ENABLED and t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return (_graph_launches > 0 and ENABLED and t.is_cuda
             and _device_supports(t.device.index or 0))
 
 
