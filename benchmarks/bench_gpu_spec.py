@@ -891,6 +891,30 @@ def main() -> int:
 
         driver.propose, replay.propose = propose_logged, replay_logged
 
+        # Per step, for the steps log: wall time inside the target runner's calls, and GPU
+        # time of the CUDA graphs replayed (events around each replay), to tell host work
+        # outside the runner, host work inside it and GPU time apart.
+        runner = engine.runner
+        for name in ("execute_argmax", "execute", "execute_argmax_device", "execute_argmax_steps"):
+            def in_runner(*args, _fn=getattr(runner, name), **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    step_shape["runner"] = step_shape.get("runner", 0.0) + time.perf_counter() - t
+            setattr(runner, name, in_runner)
+        graph_replay = torch.cuda.CUDAGraph.replay
+
+        def replay_timed(graph):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph_replay(graph)
+            end.record()
+            step_shape.setdefault("events", []).append((start, end))
+
+        if steps_log is not None and torch.cuda.is_available():
+            torch.cuda.CUDAGraph.replay = replay_timed
+
         def timed_engine_steps(label: str):
             """Wrap engine.step: every step's wall time, by kind (plain / speculating /
             speculating with a draft catch-up over more than CATCH_UP_MEASURED tokens per
@@ -912,11 +936,14 @@ def main() -> int:
                 cats.setdefault(f"{kind} proposals", []).append(props)
                 if steps_log is not None:
                     cap = adaptive.last_cap if driver.adaptive is not None else None
+                    gpu = sum(a.elapsed_time(b) for a, b in step_shape.get("events", ()))
                     steps_log.write(json.dumps(dict(
                         run=label, ms=round(1e3 * dt, 2), proposals=props, catch_up=catch,
                         cap=cap, batch=sum(1 for r in engine.requests.values()
                                            for q in r.seqs if not q.is_finished),
-                        finished=sum(o.finished for o in out))) + "\n")
+                        finished=sum(o.finished for o in out),
+                        runner_ms=round(1e3 * step_shape.get("runner", 0.0), 2),
+                        graph_gpu_ms=round(gpu, 2))) + "\n")
                     steps_log.flush()
                 return out
 

@@ -337,12 +337,15 @@ class LLMEngine:
             if rows is not None:
                 self.output_processor.add_prompt_logprobs(s.seq, s, logits[rows])
             touched[req.request_id] = req
-        row = 0
+        row = plain_rows = 0
         for i, s in enumerate(sampled):
             req = touched[s.seq.request_id]
             self._commit(req, s.seq, proposals[i], verified.emitted[i],
                          verified.num_accepted[i], None if logprobs is None else logprobs[row:])
             row += len(proposals[i]) + 1
+            plain_rows += not proposals[i]
+        if self.speculation is not None and plain_rows:
+            self.speculation.on_plain_rows(plain_rows)
         for s in sched.scheduled:
             if s.seq.is_finished:
                 self._free_proposer_state(s.seq)
@@ -374,7 +377,7 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens - 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
-        if self.speculation is not None:
+        if self.speculation is not None and proposals:  # without: on_plain_rows, per step
             self.speculation.on_committed(seq, req.metrics, num_tokens_before, len(proposals),
                                           num_accepted, num_committed)
 

@@ -230,15 +230,23 @@ class SpeculationDriver:
 
     def on_committed(self, seq: Sequence, metrics: RequestMetrics, num_tokens_before: int,
                      num_proposed: int, num_accepted: int, num_committed: int) -> None:
+        """A sequence's verified proposals (num_proposed >= 1) were committed."""
         self.proposer.on_verified(seq, num_tokens_before, num_proposed, num_accepted)
         self.metrics.record(num_proposed, num_accepted, num_committed)
         if self.adaptive is not None:
             self.adaptive.record(seq.seq_id, num_proposed, num_accepted)
-        if num_proposed:
-            metrics.num_spec_steps += 1
-            metrics.num_draft_tokens += num_proposed
-            metrics.num_accepted_tokens += min(num_accepted, num_committed)
-            metrics.num_emitted_tokens += num_committed
+        metrics.num_spec_steps += 1
+        metrics.num_draft_tokens += num_proposed
+        metrics.num_accepted_tokens += min(num_accepted, num_committed)
+        metrics.num_emitted_tokens += num_committed
+
+    def on_plain_rows(self, count: int) -> None:
+        """count sequences committed one token this step without proposals. Counted once per
+        step, not per sequence: at batch 32 on the H200 the per-sequence calls that did
+        nothing else made a settled batch's plain steps ~0.2 ms (3 %) slower than the plain
+        engine's (the step log's host time outside the target runner: 0.65-0.69 against
+        0.46-0.52 ms)."""
+        self.metrics.total.num_non_spec_decode_steps += count
 
     def free(self, seq: Sequence) -> None:
         self.proposer.free(seq)

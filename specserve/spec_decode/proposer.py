@@ -55,7 +55,8 @@ class Proposer(ABC):
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
                     num_accepted: int) -> None:
-        """Called after seq committed num_accepted of num_proposed proposals (+1 token)."""
+        """Called after seq committed num_accepted of num_proposed >= 1 proposals (+1 token);
+        not for sequences that proposed nothing in the step."""
         return None  # stateless proposers need nothing
 
     def free(self, seq: Sequence) -> None:
