@@ -31,16 +31,6 @@
 
 namespace {
 
-inline float hsum16(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-#endif
-}
-
 // The 16 lane sums of v[0..15] as one vector: out[j] = sum of v[j]'s lanes. A transpose-and-add
 // tree, ~3 shuffles and adds per input where a separate reduction of each costs ~8.
 inline f32x16 sum16x16(const f32x16* v) {

@@ -6,6 +6,10 @@
 #include <cstring>
 #include <tuple>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 // 16 float32 lanes (one AVX-512 register; GCC splits it where registers are narrower).
 typedef float f32x16 __attribute__((vector_size(64)));
 
@@ -16,6 +20,17 @@ inline f32x16 load16(const float* p) {
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The sum of v's 16 lanes.
+inline float hsum16(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
 
 // gguf_linear.cpp: x [M, K] float32 @ raw GGUF blocks [N, K / 32 * block bytes]^T -> [M, N]
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w);

@@ -41,16 +41,6 @@ constexpr int kTile = 8;  // rows of x sharing one decode of a block
 constexpr int64_t kPanel = 32;  // weight rows kept in cache while all rows of x pass
 constexpr int64_t kPrefetchBlocks = 8;  // how far ahead in a weight row to prefetch
 
-static inline float hsum(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-#endif
-}
-
 // 16 bytes -> 16 int32 lanes. GCC lowers __builtin_convertvector on bytes to scalar inserts, so
 // the AVX-512 build says what it means.
 static inline i32x16 widen_u8(const uint8_t* p) {
@@ -149,7 +139,7 @@ static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t r
   }
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c)
-      y[r * ldy + c] = hsum(kSplit ? acc[0][r][c] + acc[kHalves - 1][r][c] : acc[0][r][c]);
+      y[r * ldy + c] = hsum16(kSplit ? acc[0][r][c] + acc[kHalves - 1][r][c] : acc[0][r][c]);
 }
 
 // Output features [n0, n1) for rows [r0, r0 + Rows) of x: groups of Cols weight rows, then the tail.
