@@ -10,11 +10,12 @@
 // tensor: query i of a run of length q in a sequence of length L sees keys [0, L - q + i].
 //
 // Arithmetic: scores s_j = scale * (q . k_j) summed in float32 (16-lane partial sums, then a
-// lane reduction; 16 keys share one reduction tree), softmax with max subtraction, exp by a float32 polynomial (within ~2 ulp of
-// std::exp, as SDPA's vectorized exp also is), out = sum_j p_j v_j / sum_j p_j. Results equal
-// SDPA's to float32 rounding, not bit for bit (tests/test_cpu_kernels.py). Each query row is
-// computed the same way whatever the run length, so a token's attention output does not depend
-// on how many proposals are verified beside it.
+// lane reduction; 16 keys share one reduction tree), softmax with max subtraction, exp by
+// Cephes' float32 polynomial (a vectorized exp, as SDPA's is), out = sum_j p_j v_j / sum_j p_j.
+// Results equal SDPA's to float32 rounding, not bit for bit, and are as close to a float64
+// reference (tests/test_cpu_kernels.py). A query row's arithmetic depends only on its own
+// position, not on the run around it, so a token's attention output does not depend on how many
+// proposals are verified beside it.
 
 #include "cpu_kernels.h"
 
