@@ -16,7 +16,7 @@ Timing: each number replays a CUDA graph of calls that cycle through enough weig
 HBM, as a model's layers do; the median of REPLAYS replays over the calls per replay. Inputs are
 random (never zeros).
 
-Usage:  python tests/gpu/sweep_gemv.py [--out DIR] [--smoke] [--table-only]
+Usage:  python tests/gpu/sweep_gemv.py [--out DIR] [--smoke] [--table-only] [--pdl]
 ``--table-only`` skips 1-2 and times triton_ops.linear with the configs in the code.
 ``--smoke`` runs two tiny shapes on the CPU under TRITON_INTERPRET=1 (debugs the script only).
 """
@@ -24,6 +24,7 @@ Usage:  python tests/gpu/sweep_gemv.py [--out DIR] [--smoke] [--table-only]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from specserve.model.layers import gemv, triton_ops  # noqa: E402
+from specserve.model.layers import gemv, pdl, triton_ops  # noqa: E402
 from specserve.model.layers.gemv import RowsConfig  # noqa: E402
 
 SHAPES = {  # (N, K): name
@@ -99,6 +100,9 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.smoke = args.smoke
+        # --pdl: timing graphs captured as the engine captures its own (layers/pdl.py), so that
+        # consecutive calls overlap as a model's kernels do
+        self.launches = pdl.graph_launches if args.pdl else contextlib.nullcontext
         self.device = "cpu" if args.smoke else "cuda"
         self.dtype = torch.float32 if args.smoke else torch.bfloat16
         self.gen = torch.Generator(device=self.device).manual_seed(0)
@@ -125,15 +129,16 @@ class Bench:
             return (time.perf_counter() - start) / len(calls) * 1e6
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls[:2]:  # compile / warm outside the capture
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
+        with self.launches():
+            with torch.cuda.stream(stream):
+                for call in calls[:2]:  # compile / warm outside the capture
+                    call()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -379,6 +384,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--table-only", action="store_true",
                         help="no sweep: time linear() with the code's configs against cuBLAS")
+    parser.add_argument("--pdl", action="store_true",
+                        help="capture the timing graphs with programmatic dependent launch, as "
+                             "the engine's graphs are (Hopper+)")
     args = parser.parse_args()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
