@@ -23,6 +23,8 @@ tokens per request:
   generated tokens / wall time, the best of 2 interleaved rounds; specserve only
   (transformers' prompt lookup supports batch 1 only).
 
+Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), and "[suffix]"
+as ``LLM(speculative_model="[suffix]")`` configures it (k = its max tree depth, 24, as vLLM).
 For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
 (tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
 are printed from the engine's counters. Prefix caching is off so that repeated prompts prefill
@@ -51,6 +53,7 @@ QUICK_BATCH = 8
 NUM_SPECULATIVE_TOKENS = 5
 NGRAM_MAX = 4
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented setting for prompt lookup decoding
+SUFFIX_DEFAULT_K = 24  # SpeculativeConfig: suffix decoding's k defaults to its max tree depth
 PAD_TOKEN_ID = 2
 
 EDIT_TASKS = [
@@ -230,6 +233,9 @@ def main() -> None:
                                           ngram_prompt_lookup_max=NGRAM_MAX),
         f'specserve "[suffix]" k={k}': Ours(speculative_model="[suffix]",
                                            num_speculative_tokens=k),
+        # as a vLLM user runs it: without num_speculative_tokens, suffix decoding proposes up
+        # to suffix_decoding_max_tree_depth tokens (24), as many as its match supports
+        f'specserve "[suffix]" default k={SUFFIX_DEFAULT_K}': Ours(speculative_model="[suffix]"),
     }
     plain = engines["specserve"]
     if not args.skip_transformers:
