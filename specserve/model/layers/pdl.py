@@ -15,9 +15,9 @@ the previous kernel's tail.
 Numerics do not change: the same operations in the same order, only started earlier.
 
 Only launches made for a CUDA graph use it (``graph_launches``). Contract for a kernel taking a
-``PDL`` constexpr: with PDL set, it calls ``gdc_wait`` before its
-first load of anything an earlier kernel may write and before its first store. The launch site
-passes ``**launch_options(tensor)``. ``SPECSERVE_PDL=0`` (or ``ENABLED = False`` before graphs
+``PDL`` constexpr: with PDL set, it calls ``gdc_wait`` before its first load of anything an
+earlier kernel may write and before its first store. The launch site passes
+``**launch_options(tensor)``. ``SPECSERVE_PDL=0`` (or ``ENABLED = False`` before graphs
 are captured) turns it off; CPU tensors (the Triton interpreter in tests) never use it.
 """
 
