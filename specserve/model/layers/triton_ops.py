@@ -45,16 +45,16 @@ def _pow2(n: int) -> int:
 def _kernels():
     """Compile-on-demand kernel definitions (triton is imported on first use only). The
     kernels resolve ``tl`` from this module's globals, hence the global import."""
-    global triton, tl
+    global triton, tl, pdl_jit
     import triton
     import triton.language as tl
+
+    from specserve.model.layers import pdl_jit
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl_jit.release_and_wait(PDL)  # layers/pdl.py
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -70,9 +70,7 @@ def _kernels():
                              stride_o, stride_res, n_cols, eps, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
         """res = x + r rounded to the residual dtype (as torch's add), out = RMSNorm(res)."""
-        if PDL:  # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl_jit.release_and_wait(PDL)  # layers/pdl.py
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -113,9 +111,7 @@ def _kernels():
                          PDL: tl.constexpr):
         """x [T, 2 * inter] = [gate | up] -> out [T, inter] = silu(gate) * up, rounded like
         torch (silu in float32 rounded to x's dtype, then the product rounded)."""
-        if PDL:  # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        pdl_jit.release_and_wait(PDL)  # layers/pdl.py
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -216,9 +212,11 @@ GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 
 @functools.cache
 def _gemv_kernel():
-    global triton, tl
+    global triton, tl, pdl_jit
     import triton
     import triton.language as tl
+
+    from specserve.model.layers import pdl_jit
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_w, HAS_BIAS: tl.constexpr,
@@ -233,14 +231,7 @@ def _gemv_kernel():
         row_mask = rows < n_rows
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
         cols = tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(w_rows + cols[None, :])
-        else:
-            w = tl.load(w_rows + cols[None, :],
-                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
-        if PDL:  # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
         if EVEN:
             x = tl.load(x_ptr + cols)
         else:

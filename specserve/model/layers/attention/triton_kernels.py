@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.model.layers import pdl_jit
+
 # Running max before any key is seen: finite, so exp2(m_old - m_new) never sees inf - inf.
 NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -44,9 +46,7 @@ def write_kv_kernel(
     """One program per token: key/value [KvH, D] -> cache[slot // PAGE, slot % PAGE].
 
     A negative slot is skipped: padded tokens (e.g. in a captured CUDA graph) write nothing."""
-    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_jit.release_and_wait(PDL)  # layers/pdl.py
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -81,9 +81,7 @@ def rotary_write_kv_kernel(
     into the caches at cache[slot // PAGE, slot % PAGE]. The rotation is the rotary kernel's
     (float32, rounded to qkv's dtype), so the cache holds what rotary + write_kv stored.
     A negative slot (padded token) writes no K/V; its q row is still written."""
-    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_jit.release_and_wait(PDL)  # layers/pdl.py
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -142,9 +140,7 @@ def paged_attention_kernel(
     DOT_F32 upcasts the dot operands to fp32: only for bf16 under the CPU interpreter, whose
     bf16 ``tl.dot`` multiplies the raw uint16 storage (triton 3.9); never set on a GPU.
     """
-    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_jit.release_and_wait(PDL)  # layers/pdl.py
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     tile = tl.program_id(2) // num_splits
@@ -233,9 +229,7 @@ def reduce_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """grid = (num_tokens, num_heads): merge the splits' (max, sum, acc) into the output row."""
-    if PDL:  # layers/pdl.py: release the next kernel, then wait for the ones before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_jit.release_and_wait(PDL)  # layers/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
