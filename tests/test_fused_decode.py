@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="triton was imported before the interpreter was chosen")
 
-from specserve.model.layers import fused_mlp, triton_ops  # noqa: E402
+from specserve.model.layers import fused_mlp, gemv, triton_ops  # noqa: E402
 from specserve.model.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from specserve.model.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specserve.model.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -128,6 +128,61 @@ def test_gate_up_silu_matches_gemv_then_silu_mul(inter, cols, config, dtype):
                                   else {"atol": 2e-2, "rtol": 2e-2}))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
+                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("inter,cols", [(24, 64), (20, 70), (9, 20)])
+def test_gate_up_silu_rows_matches_gemv_rows_then_silu_mul(inter, cols, variant, block_n,
+                                                           block_k, dtype):
+    """The multi-row fused kernel (verification steps) at M = 2..16, even and uneven shapes
+    (activation tail, column tail), against gemv_rows then silu_mul: bit for bit where the
+    interpreter's sums are row-order independent (fma); the interpreter's dot (numpy's matmul)
+    may sum a permuted tile in another order, so there within float32 rounding, x16 for fp16."""
+    gen = torch.Generator().manual_seed(inter + cols)
+    weight = (torch.randn(2 * inter, cols, generator=gen) / cols**0.5).to(dtype)
+    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1)
+    for num_m in (2, 3, 5, 9, 16):
+        x = (torch.randn(num_m, 2 * cols, generator=gen) * 3).to(dtype)[:, :cols]  # strided
+        out = gemv.gate_up_silu_rows(x, weight, config)
+        unfused = triton_ops.silu_mul(gemv.gemv_rows(x, weight, None, config))
+        assert out.shape == (num_m, inter) and out.dtype == dtype
+        if variant == "fma":
+            assert torch.equal(out, unfused)
+        else:
+            tol = 2e-5 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(out, unfused, atol=tol, rtol=tol)
+        gate, up = (x.double() @ weight.double().T).split(inter, dim=-1)
+        torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up,
+                                   **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32
+                                      else {"atol": 2e-2, "rtol": 2e-2}))
+
+
+def test_fused_mlp_rows_path_serves_only_what_gemv_rows_serves(monkeypatch):
+    """2..16 half rows of a shape and bucket listed in gemv.ROWS_CONFIGS with an even block,
+    on the kernel path (CUDA: forced here), without bias; the one-row path stays separate."""
+    layer = torch.nn.Linear(64, 48, bias=False).to(torch.float16)
+    rows = torch.randn(3, 64, dtype=torch.float16)
+    assert fused_mlp.rows_config_for(layer, rows) is None  # CPU
+    monkeypatch.setattr(triton_ops, "available", lambda t: True)
+    assert fused_mlp.rows_config_for(layer, rows) is None  # shape not listed
+    config = gemv.RowsConfig("dot", 16, 32, 4, 1)
+    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), config)
+    assert fused_mlp.rows_config_for(layer, rows) == config
+    assert fused_mlp.rows_config_for(layer, rows[:2]) is None  # bucket 2 not listed
+    assert fused_mlp.rows_config_for(layer, rows[:1]) is None  # one row: config_for's
+    assert fused_mlp.rows_config_for(layer.float(), rows.float()) is None
+    biased = torch.nn.Linear(64, 48, bias=True).to(torch.float16)
+    assert fused_mlp.rows_config_for(biased, rows) is None
+    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), gemv.RowsConfig("fma", 3, 32, 4, 1))
+    assert fused_mlp.rows_config_for(layer, rows) is None  # odd block: no gate/up pairs
+    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), config)
+    monkeypatch.setattr(fused_mlp, "ROWS_ENABLED", False)
+    assert fused_mlp.rows_config_for(layer, rows) is None
+    monkeypatch.setattr(fused_mlp, "ROWS_ENABLED", True)
+    monkeypatch.setattr(fused_mlp, "ENABLED", False)
+    assert fused_mlp.rows_config_for(layer, rows) is None
+
+
 def test_fused_mlp_serves_only_what_the_gemv_serves(monkeypatch):
     layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
@@ -166,6 +221,38 @@ def test_llama_mlp_fused_matches_unfused(monkeypatch):
     unfused = mlp(x)
     assert torch.equal(fused, unfused)
     torch.testing.assert_close(fused, reference, atol=3e-2, rtol=3e-2)
+
+
+def test_llama_mlp_fused_rows_match_unfused(monkeypatch):
+    """LlamaMLP at 3 fp16 rows (a k = 2 verification) with the multi-row kernels forced on:
+    the fused gate_up + silu kernel gives the bits of gemv_rows, silu_mul, gemv_rows ("fma": the
+    interpreter sums it in the same order either way), and the kernel is really called."""
+    from transformers import LlamaConfig
+
+    from specserve.model.llama import LlamaMLP
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96)
+    mlp = LlamaMLP(cfg).to(torch.float16)
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    x = torch.randn(3, 64, generator=gen).to(torch.float16)
+    monkeypatch.setattr(triton_ops, "available", lambda t: True)
+    for shape in ((192, 64), (64, 96)):
+        monkeypatch.setitem(gemv.ROWS_CONFIGS, (*shape, 4), gemv.RowsConfig("fma", 2, 32, 4, 1))
+    calls = []
+    real = gemv.gate_up_silu_rows
+    monkeypatch.setattr(gemv, "gate_up_silu_rows", lambda *a: calls.append(1) or real(*a))
+    fused = mlp(x)
+    assert calls == [1]
+    monkeypatch.setattr(fused_mlp, "ROWS_ENABLED", False)
+    unfused = mlp(x)
+    assert calls == [1]
+    assert torch.equal(fused, unfused)
+    gate, up = (x.double() @ mlp.gate_up_proj.weight.double().T).split(96, dim=-1)
+    reference = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.double().T
+    torch.testing.assert_close(fused.double(), reference, atol=3e-2, rtol=3e-2)
 
 
 def test_llama_forward_fused_matches_unfused_and_torch(tiny_llama, monkeypatch, single_thread):

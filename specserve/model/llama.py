@@ -63,9 +63,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported for Llama models (only 'silu').")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        config = fused_mlp.config_for(self.gate_up_proj, x)
-        if config is not None:  # one CUDA row: silu_mul in the gate_up GEMV (2 kernels, not 3)
-            act = fused_mlp.gate_up_silu(x, self.gate_up_proj.weight, config)  # [1, I]
+        act = fused_mlp.silu_mul_of_linear(self.gate_up_proj, x)  # [T, I] or None
+        if act is not None:  # a few CUDA rows: silu_mul in the gate_up GEMV (2 kernels, not 3)
             return triton_ops.linear(self.down_proj, act)
         gate_up = triton_ops.linear(self.gate_up_proj, x)  # [T, 2I]
         if triton_ops.available(gate_up):  # one kernel instead of 2

@@ -17,6 +17,9 @@ On the device, in one process:
   3. timing: GPU time of the batch-1 greedy decode graph (logits and argmax inside; the
      graphs are sized for max_model_len 1024 as in bench_gpu_spec) at context 384, the
      variants alternately (twice), then per-kernel GPU time per step from torch.profiler.
+  4. verification (everything on): the multi-row gate_up + silu kernel off and on
+     (fused_mlp.ROWS_ENABLED): 9-token verify logits bit-equal? verify graph GPU time at
+     q = 2..9 over q = 1, and the per-kernel profile of q = 1, 2, 9.
 
 The switches are fused_mlp.ENABLED, fused_argmax.ENABLED, pdl.ENABLED and the attention
 backend's fused_rotary_kv; graphs are recaptured after each flip.
@@ -57,6 +60,7 @@ BLOCK = 16
 CTX = 384
 MAX_MODEL_LEN = 1024
 DECODE_STEPS = 8
+MAX_QUERY = 9  # verification runs of k + 1 = 2..9 tokens (section 4)
 GREEDY_TOKENS = 32
 INIT_STD = 0.02
 GATE_UP_SWEEP = [(2, 2048, 8, 1), (2, 2048, 8, 3), (4, 2048, 8, 1), (4, 1024, 8, 3),
@@ -187,7 +191,7 @@ def set_fusions(runner: ModelRunner, variant: str) -> None:
     pdl.ENABLED = launch_pdl
     runner.backend.fused_rotary_kv = rope_kv
     if runner.graphs is not None:  # recapture with the new kernels
-        runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN)
+        runner.enable_cuda_graphs(1, MAX_QUERY, MAX_MODEL_LEN)
 
 
 def teacher_forced(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -215,13 +219,29 @@ def decode_graph_time(runner: ModelRunner, reps: int) -> float:
     return cuda_time(graph.replay, reps)
 
 
-def kernel_profile(runner: ModelRunner, steps: int = 5) -> dict[str, tuple[float, float]]:
-    """kernel name -> (launches per step, GPU us per step) over graph replays."""
+def verify_runs(q: int) -> list[SequenceRun]:
+    """One sequence at context CTX verifying q tokens (logits for all q)."""
+    return [SequenceRun([5] * q, CTX, list(range(1, 1 + (CTX + q) // BLOCK + 1)), list(range(q)))]
+
+
+def verify_graph(runner: ModelRunner, q: int) -> torch.cuda.CUDAGraph:
+    """The graph runner.execute replays for verify_runs(q) (no lm_head inside: execute's
+    graphs end at the hidden states, as bench_gpu_spec's section 3 times them)."""
+    runs = verify_runs(q)
+    runner.execute(runs)  # captures
+    return runner.graphs.graphs[runner.graphs.key_for(runs)]
+
+
+def kernel_profile(runner: ModelRunner, steps: int = 5,
+                   graph: torch.cuda.CUDAGraph | None = None) -> dict[str, tuple[float, float]]:
+    """kernel name -> (launches per step, GPU us per step) over graph replays (the batch-1
+    greedy decode graph unless graph is given)."""
     from torch.profiler import ProfilerActivity, profile
 
-    runs = [SequenceRun([5], CTX, list(range(1, 1 + CTX // BLOCK + 1)), [0])]
-    runner.execute_argmax(runs)
-    graph = runner.graphs.argmax_graphs[runner.graphs.key_for(runs)]
+    if graph is None:
+        runs = [SequenceRun([5], CTX, list(range(1, 1 + CTX // BLOCK + 1)), [0])]
+        runner.execute_argmax(runs)
+        graph = runner.graphs.argmax_graphs[runner.graphs.key_for(runs)]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -249,7 +269,7 @@ def model_checks(smoke: bool) -> None:
     runner.init_kv_cache(96)
     ref = ModelRunner(ref_model, DEV, torch.float32, BLOCK)
     ref.init_kv_cache(96)
-    assert runner.enable_cuda_graphs(1, 1, MAX_MODEL_LEN) or smoke
+    assert runner.enable_cuda_graphs(1, MAX_QUERY, MAX_MODEL_LEN) or smoke
     say(f"models built in {time.perf_counter() - t0:.1f}s")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, cfg.vocab_size, (CTX,), generator=gen).tolist()
@@ -317,6 +337,62 @@ def model_checks(smoke: bool) -> None:
         for v in VARIANTS:
             us = sum(t for _, t in profiles[v].values())
             say(f"{v:9}: sum of kernel times {us / 1e3:.3f} ms per step")
+    verify_checks(runner, prompt, forced)
+
+
+def verify_checks(runner: ModelRunner, prompt: list[int], forced: list[int]) -> None:
+    """4. verification steps (all fusions and PDL on) with the multi-row gate_up + silu
+    kernel (fused_mlp.ROWS_ENABLED) off and on: logits of a 9-token verification after the
+    prompt bit-equal? Then GPU time of the verify graphs (q = 2..9) over the 1-token graph,
+    alternating twice, and the per-kernel profile of q = 1, 2 and 9 with PDL off and on."""
+    set_fusions(runner, "pdl")
+    table = list(range(1, 1 + (len(prompt) + MAX_QUERY + BLOCK) // BLOCK + 1))
+    logits = {}
+    for rows in (False, True):
+        fused_mlp.ROWS_ENABLED = rows
+        set_fusions(runner, "pdl")
+        runner.execute([SequenceRun(prompt, 0, table, [len(prompt) - 1])])
+        logits[rows] = runner.execute([SequenceRun(([7] + forced)[:MAX_QUERY], len(prompt),
+                                                   table, list(range(MAX_QUERY)))])
+    say(f"\n9-token verification logits, rows fusion on == off bit-exact "
+        f"{torch.equal(logits[True], logits[False])} (max |d| "
+        f"{(logits[True] - logits[False]).abs().max().item():.3g})")
+    qs = [1, 2, 3, 5, 9]
+    times: dict[tuple[bool, int], list[float]] = defaultdict(list)
+    for _ in range(2):
+        for rows in (False, True):
+            fused_mlp.ROWS_ENABLED = rows
+            set_fusions(runner, "pdl")
+            for q in qs:
+                times[rows, q].append(cuda_time(verify_graph(runner, q).replay, 100))
+    say(f"verify graph GPU ms at context {CTX} (no lm_head), 2 runs, and / q=1")
+    say("| rows fusion | " + " | ".join(f"q={q}" for q in qs) + " |")
+    say("|---|" + "---|" * len(qs))
+    for rows in (False, True):
+        base = statistics.mean(times[rows, 1])
+        say(f"| {'on' if rows else 'off'} | " + " | ".join(
+            f"{times[rows, q][0] * 1e3:.3f} {times[rows, q][1] * 1e3:.3f} "
+            f"({statistics.mean(times[rows, q]) / base:.3f})" for q in qs) + " |")
+    # Under PDL a kernel's profiled time includes its wait for the one before, so the
+    # per-kernel costs of q = 1 against q = 2 and 9 are read with PDL off ("on").
+    profiles = {}
+    for variant in ("on", "pdl"):
+        set_fusions(runner, variant)
+        for q in (1, 2, 9):
+            try:
+                profiles[f"q{q} {variant}"] = kernel_profile(runner, graph=verify_graph(runner, q))
+            except Exception as exc:  # noqa: BLE001  (profiling is a bonus)
+                say(f"profiler failed: {exc!r}")
+    set_fusions(runner, "pdl")
+    names = sorted({k for prof in profiles.values() for k in prof},
+                   key=lambda k: -max(prof.get(k, (0, 0))[1] for prof in profiles.values()))
+    say("\nverify graphs per step, from torch.profiler (launches n, GPU us)")
+    say(f"{'kernel':60}" + "".join(f" {v + ' n':>10} {'us':>7}" for v in profiles))
+    for k in names:
+        say(f"{k:60}" + "".join(f" {profiles[v].get(k, (0, 0))[0]:10.0f} "
+                                f"{profiles[v].get(k, (0, 0))[1]:7.1f}" for v in profiles))
+    for v, prof in profiles.items():
+        say(f"{v:9}: sum of kernel times {sum(t for _, t in prof.values()) / 1e3:.3f} ms")
 
 
 def main() -> int:

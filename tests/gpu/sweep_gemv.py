@@ -16,7 +16,7 @@ Timing: each number replays a CUDA graph of calls that cycle through enough weig
 HBM, as a model's layers do; the median of REPLAYS replays over the calls per replay. Inputs are
 random (never zeros).
 
-Usage:  python tests/gpu/sweep_gemv.py [--out DIR] [--smoke] [--table-only] [--pdl]
+Usage:  python tests/gpu/sweep_gemv.py [--out DIR] [--smoke] [--table-only] [--pdl] [--shapes 8B]
 ``--table-only`` skips 1-2 and times triton_ops.linear with the configs in the code.
 ``--smoke`` runs two tiny shapes on the CPU under TRITON_INTERPRET=1 (debugs the script only).
 """
@@ -315,6 +315,8 @@ class Bench:
 
     def run(self) -> None:
         shapes = {(48, 64): "smoke a", (51, 70): "smoke b"} if self.smoke else SHAPES
+        if self.args.shapes:  # e.g. "8B": only the shapes whose name contains it
+            shapes = {s: name for s, name in shapes.items() if self.args.shapes in name}
         if self.smoke:
             global FMA_CONFIGS, DOT_CONFIGS, BUCKETS, TABLE_ROWS
             FMA_CONFIGS = [RowsConfig("fma", 2, 32, 4, 1)] * 6
@@ -354,7 +356,8 @@ class Bench:
             log(f"| {name} {r['n']}x{r['k']} | {r['m']} | {cfg} | {r['us']:.2f} | "
                 f"{r['us_again']:.2f} | {r['gbps']:.0f} | {r['cublas_us']:.2f} | "
                 f"{r['cublas_us'] / r['us']:.3f} | {one} | {r.get('linear_us', math.nan):.2f} |")
-        if not self.smoke:  # 32 layers' projections + the lm_head, the model's linear time
+        if not self.smoke and all(s in shapes for s in [*LAYER_SHAPES_8B, LM_HEAD_8B]):
+            # 32 layers' projections + the lm_head, the model's linear time
             log()
             log("Llama-3-8B linear time per step (32 x [qkv, o, gate_up, down] + lm_head on M rows),"
                 " ms: linear() (the dispatch), rows kernel alone, cuBLAS alone; in brackets the"
@@ -384,6 +387,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--table-only", action="store_true",
                         help="no sweep: time linear() with the code's configs against cuBLAS")
+    parser.add_argument("--shapes", default="",
+                        help='only the shapes whose name contains this, e.g. "8B"')
     parser.add_argument("--pdl", action="store_true",
                         help="capture the timing graphs with programmatic dependent launch, as "
                              "the engine's graphs are (Hopper+)")

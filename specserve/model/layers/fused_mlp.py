@@ -1,4 +1,5 @@
-"""One-row gate/up projection with SiLU-and-multiply in its epilogue (batch-1 decode on CUDA).
+"""Gate/up projection with SiLU-and-multiply in its epilogue (batch-1 decode and verification
+on CUDA).
 
 Why: at one row the gated MLP was three kernels, the gate_up GEMV, silu_mul and the down GEMV,
 and silu_mul moved almost no bytes: its cost was a launch and a ramp (~2-3 us, 32 times a step
@@ -15,6 +16,10 @@ triton_ops.gemv (gate/up rows interleaved, so the tile is the GEMV's [BLOCK_N, B
 rounded to the output dtype, as gemv stores it; then silu in float32 rounded, the product rounded
 (triton_ops._silu_mul_kernel). Only on the path triton_ops.linear would give the GEMV: one
 bf16/fp16 row on CUDA, a plain Linear without bias, a shape listed in GATE_UP_CONFIGS.
+
+The 2..16 rows of a batch-1 verification step get the same epilogue in the multi-row GEMV
+(gemv.gate_up_silu_rows, with that shape's gemv.ROWS_CONFIGS), where triton_ops.linear would
+give gemv_rows; silu_mul_of_linear picks between the two.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import functools
 
 import torch
 
-from specserve.model.layers import pdl, triton_ops
+from specserve.model.layers import gemv, pdl, triton_ops
 
-#: Module-level switch (A/B timing in tests/gpu/check_fused_decode.py); off = the unfused path.
-ENABLED = True
+#: Module-level switches (A/B timing in tests/gpu/check_fused_decode.py); off = the unfused path.
+ENABLED = True  # both paths
+ROWS_ENABLED = True  # the multi-row path (gemv.gate_up_silu_rows) only
 
 # Packed gate_up weight shape (2I, K) -> (BLOCK_N rows per program, gate and up interleaved, so
 # BLOCK_N / 2 activations; BLOCK_K; num_warps; num_stages). Taken from triton_ops.GEMV_CONFIGS
@@ -41,9 +47,11 @@ GATE_UP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 @functools.cache
 def _kernel():
     """Compiled on first use (CPU runs never import triton)."""
-    global triton, tl
+    global triton, tl, pdl_jit
     import triton
     import triton.language as tl
+
+    from specserve.model.layers import pdl_jit
 
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, out_ptr, inter, n_cols, stride_w, EVEN: tl.constexpr,
@@ -59,14 +67,7 @@ def _kernel():
         rows = (r % 2) * inter + act_idx  # gate rows even, up rows odd
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
         cols = tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(w_rows + cols[None, :])
-        else:
-            w = tl.load(w_rows + cols[None, :],
-                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
-        if PDL:  # layers/pdl.py
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
         if EVEN:
             x = tl.load(x_ptr + cols)
         else:
@@ -115,10 +116,39 @@ def config_for(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[int, int, int, 
     """The kernel config when gate_up_silu should serve silu_mul(layer(x)), else None: the
     switch is on and triton_ops.linear would take its one-row GEMV for this call (one bf16/fp16
     row on CUDA, a plain Linear), without bias, for a listed shape."""
-    if not (ENABLED and x.dim() == 2 and x.shape[0] == 1
-            and x.dtype in (torch.bfloat16, torch.float16) and triton_ops.available(x)
-            and type(layer).forward is torch.nn.Linear.forward and layer.bias is None
-            and x.stride(-1) == 1 and layer.weight.dtype == x.dtype
-            and layer.weight.stride(-1) == 1):
+    if not (x.dim() == 2 and x.shape[0] == 1 and _kernel_path(layer, x)):
         return None
     return GATE_UP_CONFIGS.get(tuple(layer.weight.shape))
+
+
+def rows_config_for(layer: torch.nn.Linear, x: torch.Tensor) -> gemv.RowsConfig | None:
+    """The multi-row config when gemv.gate_up_silu_rows should serve silu_mul(layer(x)), else
+    None: 2..MAX_ROWS rows (a batch-1 verification step) that triton_ops.linear would send to
+    gemv_rows, without bias. Why: there silu_mul was a kernel of its own per layer, which
+    costs its launch and ramp in a graph whose every other kernel streams weights."""
+    if not (ROWS_ENABLED and x.dim() == 2 and 2 <= x.shape[0] <= gemv.MAX_ROWS
+            and _kernel_path(layer, x)):
+        return None
+    config = gemv.ROWS_CONFIGS.get((*layer.weight.shape, gemv.row_bucket(x.shape[0])))
+    return config if config is not None and config.block_n % 2 == 0 else None
+
+
+def _kernel_path(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """The switch is on and triton_ops.linear's kernels would serve layer(x): bf16/fp16 on CUDA,
+    a plain Linear without bias, contiguous last dimensions."""
+    return (ENABLED and x.dtype in (torch.bfloat16, torch.float16) and triton_ops.available(x)
+            and type(layer).forward is torch.nn.Linear.forward and layer.bias is None
+            and x.stride(-1) == 1 and layer.weight.dtype == x.dtype
+            and layer.weight.stride(-1) == 1 and layer.weight.shape[0] % 2 == 0)
+
+
+def silu_mul_of_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of layer(x) = [gate | up] in one kernel where one serves this call
+    (config_for, rows_config_for), else None (the caller runs the projection and silu_mul)."""
+    config = config_for(layer, x)
+    if config is not None:
+        return gate_up_silu(x, layer.weight, config)  # [1, I]
+    rows_config = rows_config_for(layer, x)
+    if rows_config is not None:
+        return gemv.gate_up_silu_rows(x, layer.weight, rows_config)  # [M, I]
+    return None

@@ -17,7 +17,6 @@ tests/gpu/sweep_gemv.py):
 - "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
   zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
   stream counts.
-
 Both accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
 count and shapes are host ints only, so the launch is CUDA-graph safe. The CPU path never comes
 here except under TRITON_INTERPRET=1 (tests).
@@ -34,11 +33,12 @@ from specserve.model.layers import pdl
 
 MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
+VARIANTS = ("fma", "dot")
 
 
 class RowsConfig(NamedTuple):
     """Launch parameters of one (shape, row bucket)."""
-    variant: str  # "fma" or "dot"
+    variant: str  # one of VARIANTS
     block_n: int  # weight rows (output columns) per program
     block_k: int  # reduction chunk per loop iteration
     num_warps: int
@@ -101,69 +101,96 @@ def row_bucket(num_rows: int) -> int:
 @functools.cache
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
-    global triton, tl
+    global triton, tl, pdl_jit, _accumulate, _weight_rows  # kernels resolve module globals
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n_m"])  # one compile serves every M of a bucket
-    def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x, stride_w,
-                   stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, USE_DOT: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
-        and all n_m <= BLOCK_M rows m. EVEN: n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0
-        (no weight masks). The first BLOCK_K columns are peeled off the loop: their weights
-        are loaded before the PDL wait (layers/pdl.py), as in triton_ops' one-row _gemv; the
-        sums are the same."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows [BLOCK_N]
-        row_mask = rows < n_rows
-        m = tl.arange(0, BLOCK_M)
-        m_mask = m < n_m
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-        x_rows = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-        cols = tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(w_rows + cols[None, :])
+    from specserve.model.layers import pdl_jit
+
+    @triton.jit
+    def _weight_rows(t, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tile row t (0..BLOCK_N-1) of this program -> (weight row, in range?). GATE_UP:
+        gate and up rows of one activation are neighbours (see _gemv_rows)."""
+        if GATE_UP:
+            act_idx = tl.program_id(0) * (BLOCK_N // 2) + t // 2  # gate rows even, up odd
+            return (t % 2) * (n_rows // 2) + act_idx, act_idx < n_rows // 2
         else:
-            w = tl.load(w_rows + cols[None, :],
-                        mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+            rows = tl.program_id(0) * BLOCK_N + t
+            return rows, rows < n_rows
+
+    @triton.jit
+    def _accumulate(acc, w, x_ptrs, x_ok, cols, n_cols, EVEN: tl.constexpr, MODE: tl.constexpr,
+                    PRECISION: tl.constexpr):
+        """acc += the products of weight tile w [BLOCK_N, BLOCK_K] (columns cols) with the
+        same columns of x's rows through x_ptrs [BLOCK_M, 1] (rows not x_ok and, unless EVEN,
+        columns >= n_cols read as 0); acc is [BLOCK_N, BLOCK_M] ("dot") or
+        [BLOCK_M, BLOCK_N, BLOCK_K] ("fma")."""
         if EVEN:
-            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs + cols[None, :], mask=x_ok[:, None], other=0.0)
         else:
-            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < n_cols)[None, :],
-                        other=0.0)  # [BLOCK_M, BLOCK_K]
-        if USE_DOT:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            x = tl.load(x_ptrs + cols[None, :], mask=x_ok[:, None] & (cols < n_cols)[None, :],
+                        other=0.0)
+        if MODE == "dot":
             acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PRECISION)
         else:
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        return acc
+
+    @triton.jit(do_not_specialize=["n_m"])  # one compile serves every M of a bucket
+    def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x, stride_w,
+                   stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, MODE: tl.constexpr,
+                   GATE_UP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
+        and all n_m <= BLOCK_M rows m; MODE is the variant ("dot" or "fma"). EVEN: no
+        weight masks (n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0). The first BLOCK_K
+        columns are peeled off the loop: their weights are loaded before the PDL wait
+        (layers/pdl.py), as in triton_ops' one-row _gemv; the sums are the same.
+
+        GATE_UP: w = [gate; up] (n_rows = 2I) and out[m, i] = silu(gate_i . x_m) * (up_i . x_m)
+        [n_m, I], as fused_mlp's one-row kernel: tile row r holds weight row
+        (r % 2) * I + i0 + r // 2, so each program finishes BLOCK_N / 2 activations itself
+        (each sum rounded to out's dtype first, then silu and the product rounded, as
+        gemv_rows followed by triton_ops.silu_mul round them)."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        m = tl.arange(0, BLOCK_M)
+        m_mask = m < n_m
+        rows, row_mask = _weight_rows(tl.arange(0, BLOCK_N), n_rows, GATE_UP, BLOCK_N)
+        x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+        cols = tl.arange(0, BLOCK_K)
+        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+        if MODE == "dot":
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
         for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
-                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
                 w = tl.load(w_rows + cols[None, :])
             else:
-                col_mask = cols < n_cols
-                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & col_mask[None, :],
-                            other=0.0)  # [BLOCK_M, BLOCK_K]
-                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                w = tl.load(w_rows + cols[None, :],
+                            mask=row_mask[:, None] & (cols < n_cols)[None, :],
                             other=0.0)  # [BLOCK_N, BLOCK_K]
-            if USE_DOT:
-                acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision=PRECISION)
-            else:
-                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if USE_DOT:
+            acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
+        if MODE == "dot":
             out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         else:
-            out = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+            out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+        if GATE_UP:  # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF_N] x 2
+            sums = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.reshape(sums, (BLOCK_M, HALF_N, 2)))
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            idx = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+            tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
+                     (act * up).to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
+        else:
+            tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
     return _gemv_rows
 
@@ -172,20 +199,36 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               config: RowsConfig) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, float32 accumulation,
     for 1 <= M <= MAX_ROWS; the weight is read once for all M rows."""
+    return _launch(x, weight, bias, config, gate_up=False)
+
+
+def gate_up_silu_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig) -> torch.Tensor:
+    """x [M, K], weight [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's
+    dtype, 1 <= M <= MAX_ROWS, the same bits as triton_ops.silu_mul(gemv_rows(x, weight, None,
+    config)) in one kernel (config.block_n even: gate and up rows in pairs)."""
+    assert weight.shape[0] % 2 == 0 and config.block_n % 2 == 0
+    return _launch(x, weight, None, config, gate_up=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            config: RowsConfig, gate_up: bool) -> torch.Tensor:
     (num_m, n_cols), n_rows = x.shape, weight.shape[0]
-    assert 1 <= num_m <= MAX_ROWS and config.variant in ("fma", "dot")
+    assert 1 <= num_m <= MAX_ROWS and config.variant in VARIANTS
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == n_cols
-    use_dot = config.variant == "dot"
     block_m = row_bucket(num_m)
-    if use_dot:
+    if config.variant == "dot":
         block_m = max(block_m, MIN_DOT_ROWS)
-    out = torch.empty(num_m, n_rows, dtype=x.dtype, device=x.device)  # [M, N]
-    even = n_rows % config.block_n == 0 and n_cols % config.block_k == 0
+    out_cols = n_rows // 2 if gate_up else n_rows
+    out = torch.empty(num_m, out_cols, dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
+    # gate_up: a program covers block_n / 2 activations, so the weight is even when I is
+    even = (out_cols % (config.block_n // 2 if gate_up else config.block_n) == 0
+            and n_cols % config.block_k == 0)
     grid = ((n_rows + config.block_n - 1) // config.block_n,)
     _kernel()[grid](
         x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=even,
-        USE_DOT=use_dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        MODE=config.variant, GATE_UP=gate_up,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x))
     return out
