@@ -197,20 +197,25 @@ def test_fused_mlp_serves_only_what_the_gemv_serves(monkeypatch):
     assert fused_mlp.config_for(layer.to(torch.bfloat16), x) is None
 
 
-def test_llama_mlp_fused_matches_unfused(monkeypatch):
-    """LlamaMLP at one bf16 row with the kernels forced on (CPU, interpreted): the fused
-    gate_up + silu path gives the unfused gemv, silu_mul, gemv bits."""
+def _random_llama_mlp(dtype: torch.dtype, rows: int, seed: int):
+    """A LlamaMLP (hidden 64, intermediate 96: gate_up [192, 64], down [64, 96]) with random
+    weights, and an input [rows, 64], both in dtype."""
     from transformers import LlamaConfig
 
     from specserve.model.llama import LlamaMLP
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96)
-    mlp = LlamaMLP(cfg).to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(11)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96)).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
+    return mlp, torch.randn(rows, 64, generator=gen).to(dtype)
+
+
+def test_llama_mlp_fused_matches_unfused(monkeypatch):
+    """LlamaMLP at one bf16 row with the kernels forced on (CPU, interpreted): the fused
+    gate_up + silu path gives the unfused gemv, silu_mul, gemv bits."""
+    mlp, x = _random_llama_mlp(torch.bfloat16, 1, seed=11)
     reference = mlp(x)  # CPU: the torch path
     monkeypatch.setattr(triton_ops, "available", lambda t: True)
     monkeypatch.setitem(triton_ops.GEMV_CONFIGS, (192, 64), (2, 32, 4, 1))
@@ -227,17 +232,7 @@ def test_llama_mlp_fused_rows_match_unfused(monkeypatch):
     """LlamaMLP at 3 fp16 rows (a k = 2 verification) with the multi-row kernels forced on:
     the fused gate_up + silu kernel gives the bits of gemv_rows, silu_mul, gemv_rows ("fma": the
     interpreter sums it in the same order either way), and the kernel is really called."""
-    from transformers import LlamaConfig
-
-    from specserve.model.llama import LlamaMLP
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96)
-    mlp = LlamaMLP(cfg).to(torch.float16)
-    gen = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    x = torch.randn(3, 64, generator=gen).to(torch.float16)
+    mlp, x = _random_llama_mlp(torch.float16, 3, seed=12)
     monkeypatch.setattr(triton_ops, "available", lambda t: True)
     for shape in ((192, 64), (64, 96)):
         monkeypatch.setitem(gemv.ROWS_CONFIGS, (*shape, 4), gemv.RowsConfig("fma", 2, 32, 4, 1))

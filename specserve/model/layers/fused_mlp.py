@@ -47,11 +47,11 @@ GATE_UP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 @functools.cache
 def _kernel():
     """Compiled on first use (CPU runs never import triton)."""
-    global triton, tl, pdl_jit
+    global triton, tl, gemv_jit
     import triton
     import triton.language as tl
 
-    from specserve.model.layers import pdl_jit
+    from specserve.model.layers import gemv_jit
 
     @triton.jit
     def _gate_up_silu(x_ptr, w_ptr, out_ptr, inter, n_cols, stride_w, EVEN: tl.constexpr,
@@ -59,33 +59,16 @@ def _kernel():
         """out[i] = silu(w[i] . x) * (w[inter + i] . x) for BLOCK_N / 2 values of i per
         program. Tile row r holds weight row (r % 2) * inter + i0 + r // 2: gate and up of one
         activation are neighbours, so the row sums reshape to [BLOCK_N / 2, 2] and split.
-        The first column block is peeled off the loop as in triton_ops' _gemv (PDL)."""
+        The sums are triton_ops' _gemv's (gemv_jit.one_row_sums)."""
         HALF_N: tl.constexpr = BLOCK_N // 2
         r = tl.arange(0, BLOCK_N)
         act_idx = tl.program_id(0) * HALF_N + r // 2  # [BLOCK_N]
         row_mask = act_idx < inter
         rows = (r % 2) * inter + act_idx  # gate rows even, up rows odd
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-        cols = tl.arange(0, BLOCK_K)
-        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
-        if EVEN:
-            x = tl.load(x_ptr + cols)
-        else:
-            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # [BLOCK_N, BLOCK_K]
-        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                x = tl.load(x_ptr + cols)
-                w = tl.load(w_rows + cols[None, :])
-            else:
-                col_mask = cols < n_cols
-                x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                            other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        sums = gemv_jit.one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN, BLOCK_K, PDL)
         # The GEMV's output rounding, then silu_mul's: [BLOCK_N] -> [HALF_N] x 2
-        sums = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        sums = sums.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.reshape(sums, (HALF_N, 2)))  # [HALF_N] each
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         idx = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)

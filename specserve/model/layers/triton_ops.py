@@ -212,43 +212,22 @@ GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 
 @functools.cache
 def _gemv_kernel():
-    global triton, tl, pdl_jit
+    global triton, tl, gemv_jit
     import triton
     import triton.language as tl
 
-    from specserve.model.layers import pdl_jit
+    from specserve.model.layers import gemv_jit
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_w, HAS_BIAS: tl.constexpr,
               EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr):
-        """out[n] = sum_k w[n, k] * x[k] (+ b[n]): BLOCK_N rows per program, float32 sums.
-
-        The first BLOCK_K columns are peeled off the loop: their weights are loaded before
-        the PDL wait (they are no earlier kernel's output), so with PDL they stream while the
-        previous kernel finishes. Sums are the same: acc starts as the first products."""
+        """out[n] = sum_k w[n, k] * x[k] (+ b[n]): BLOCK_N rows per program, float32 sums
+        (gemv_jit.one_row_sums: its first weights load before the PDL wait)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-        cols = tl.arange(0, BLOCK_K)
-        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
-        if EVEN:
-            x = tl.load(x_ptr + cols)
-        else:
-            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # [BLOCK_N, BLOCK_K]
-        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                x = tl.load(x_ptr + cols)
-                w = tl.load(w_rows + cols[None, :])
-            else:
-                col_mask = cols < n_cols
-                x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-                w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                            other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        out = tl.sum(acc, axis=1)
+        out = gemv_jit.one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN, BLOCK_K, PDL)
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
