@@ -116,6 +116,12 @@ def launch_everything() -> None:
         gemv.gemv_rows(rows, torch.empty(n, k, **bf16), None, config)
         if (n, k) in fused_mlp.GATE_UP_CONFIGS and config.block_n % 2 == 0:
             gemv.gate_up_silu_rows(rows, torch.empty(n, k, **bf16), config)
+    # the "persistent" variant (swept by tests/gpu/sweep_gemv.py, not yet in ROWS_CONFIGS)
+    persistent = gemv.RowsConfig("persistent", 32, 256, 4, 4)
+    gemv.gemv_rows(torch.empty(2, 4096, **bf16), torch.empty(6144, 4096, **bf16), None,
+                   persistent)
+    gemv.gate_up_silu_rows(torch.empty(2, 4096, **bf16), torch.empty(28672, 4096, **bf16),
+                           persistent)
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
     backend = triton_backend.TritonAttentionBackend(num_sms=132)
     rope = RotaryEmbedding(head_dim, 8192, 5e5)

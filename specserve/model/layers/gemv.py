@@ -8,7 +8,7 @@ verify step costs about what a decode step does: on an H200 (tests/gpu/sweep_gem
 2026-12-03) Llama-3-8B's 32 layers of projections plus the lm_head took 3.96-4.00 ms at 2..9
 rows, against 3.86 ms for the one-row kernel at 1 row and 4.12-4.31 ms through cuBLAS.
 
-Two variants (chosen per shape and row bucket by a sweep on the H200,
+Three variants (chosen per shape and row bucket by a sweep on the H200,
 tests/gpu/sweep_gemv.py):
 - "fma": the one-row kernel (triton_ops.gemv) with a row dimension: a float32 accumulator
   [BLOCK_M, BLOCK_N, BLOCK_K] of plain FMAs, summed over K once at the end. Many small programs
@@ -17,7 +17,16 @@ tests/gpu/sweep_gemv.py):
 - "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
   zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
   stream counts.
-Both accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
+- "persistent": the "dot" tiles (the same bits), but one program per SM, each walking the
+  weight-row blocks p, p + #SMs, ... in one loop over (block, K block) so that its pipeline
+  never drains between blocks. Why: "dot" runs N / BLOCK_N programs, one per SM when its deep
+  pipeline fills the shared memory, so the 8B qkv (96 programs) left 36 of an H200's 132 SMs
+  idle, and programs small enough to fill them stream slower (BENCHMARKS.md, "H200, session
+  12": Nsight Compute). Written in session 12 without a GPU at hand: it is in
+  tests/gpu/sweep_gemv.py's sweep, and in no ROWS_CONFIGS entry until a sweep measures it.
+  Its first weights are not yet loaded before the PDL wait.
+
+All three accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
 count and shapes are host ints only, so the launch is CUDA-graph safe. The CPU path never comes
 here except under TRITON_INTERPRET=1 (tests).
 """
@@ -33,7 +42,8 @@ from specserve.model.layers import pdl
 
 MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
-VARIANTS = ("fma", "dot")
+VARIANTS = ("fma", "dot", "persistent")
+INTERPRETER_PROGRAMS = 3  # "persistent" on CPU tensors (tests): a few blocks per program
 
 
 class RowsConfig(NamedTuple):
@@ -101,22 +111,44 @@ def row_bucket(num_rows: int) -> int:
 @functools.cache
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
-    global triton, tl, pdl_jit, _accumulate, _weight_rows  # kernels resolve module globals
+    global triton, tl, pdl_jit  # kernels resolve names in this module's globals
+    global _accumulate, _weight_rows, _finish
     import triton
     import triton.language as tl
 
     from specserve.model.layers import pdl_jit
 
     @triton.jit
-    def _weight_rows(t, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Tile row t (0..BLOCK_N-1) of this program -> (weight row, in range?). GATE_UP:
-        gate and up rows of one activation are neighbours (see _gemv_rows)."""
+    def _weight_rows(t, blk, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tile row t (0..BLOCK_N-1) of weight-row block blk -> (weight row, in range?).
+        GATE_UP: gate and up rows of one activation are neighbours (see _gemv_rows)."""
         if GATE_UP:
-            act_idx = tl.program_id(0) * (BLOCK_N // 2) + t // 2  # gate rows even, up odd
+            act_idx = blk * (BLOCK_N // 2) + t // 2  # gate rows even, up odd
             return (t % 2) * (n_rows // 2) + act_idx, act_idx < n_rows // 2
         else:
-            rows = tl.program_id(0) * BLOCK_N + t
+            rows = blk * BLOCK_N + t
             return rows, rows < n_rows
+
+    @triton.jit
+    def _finish(out, blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows, stride_o,
+                HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+        """Store weight-row block blk's float32 sums out [BLOCK_M, BLOCK_N] (+ bias), or with
+        GATE_UP its activations silu(gate) * up [BLOCK_M, BLOCK_N / 2] (see _gemv_rows)."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:  # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF_N] x 2
+            sums = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.reshape(sums, (BLOCK_M, HALF_N, 2)))
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            idx = blk * HALF_N + tl.arange(0, HALF_N)
+            tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
+                     (act * up).to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
+        else:
+            tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
     @triton.jit
     def _accumulate(acc, w, x_ptrs, x_ok, cols, n_cols, EVEN: tl.constexpr, MODE: tl.constexpr,
@@ -152,10 +184,10 @@ def _kernel():
         (r % 2) * I + i0 + r // 2, so each program finishes BLOCK_N / 2 activations itself
         (each sum rounded to out's dtype first, then silu and the product rounded, as
         gemv_rows followed by triton_ops.silu_mul round them)."""
-        HALF_N: tl.constexpr = BLOCK_N // 2
         m = tl.arange(0, BLOCK_M)
         m_mask = m < n_m
-        rows, row_mask = _weight_rows(tl.arange(0, BLOCK_N), n_rows, GATE_UP, BLOCK_N)
+        rows, row_mask = _weight_rows(tl.arange(0, BLOCK_N), tl.program_id(0), n_rows, GATE_UP,
+                                      BLOCK_N)
         x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
         cols = tl.arange(0, BLOCK_K)
@@ -178,21 +210,48 @@ def _kernel():
             out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         else:
             out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        if GATE_UP:  # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF_N] x 2
-            sums = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-            gate, up = tl.split(tl.reshape(sums, (BLOCK_M, HALF_N, 2)))
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            idx = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-            tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
-                     (act * up).to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
-        else:
-            tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+        _finish(out, tl.program_id(0), rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
+                stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
 
-    return _gemv_rows
+    @triton.jit(do_not_specialize=["n_m"])
+    def _gemv_persistent(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x,
+                         stride_w, stride_o, n_programs, HAS_BIAS: tl.constexpr,
+                         EVEN: tl.constexpr, GATE_UP: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
+        """The "persistent" variant of _gemv_rows (same result as "dot" with the same blocks,
+        bit for bit: each block's sums run over K in the same order): n_programs programs (one
+        per SM), program p owning weight-row blocks p, p + n_programs, ... One flat loop over
+        its (block, K block) pairs keeps the weight stream pipelined across block boundaries;
+        a block's sums are stored when its last K block is in."""
+        pid = tl.program_id(0)
+        k_blocks = tl.cdiv(n_cols, BLOCK_K)
+        n_blocks = tl.cdiv(n_rows, BLOCK_N)  # (GATE_UP: BLOCK_N / 2 of n_rows / 2 each)
+        my_blocks = (n_blocks - pid + n_programs - 1) // n_programs
+        m = tl.arange(0, BLOCK_M)
+        m_mask = m < n_m
+        x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+        t = tl.arange(0, BLOCK_N)
+        pdl_jit.release_and_wait(PDL)  # (no weights are prefetched before it yet)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in range(0, my_blocks * k_blocks):
+            blk = pid + (i // k_blocks) * n_programs
+            kb = i % k_blocks
+            rows, row_mask = _weight_rows(t, blk, n_rows, GATE_UP, BLOCK_N)
+            cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+            if EVEN:
+                w = tl.load(w_rows + cols[None, :])
+            else:
+                w = tl.load(w_rows + cols[None, :],
+                            mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+            acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, "dot", PRECISION)
+            if kb == k_blocks - 1:
+                _finish(tl.trans(acc), blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
+                        stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+
+    return {"fma": _gemv_rows, "dot": _gemv_rows, "persistent": _gemv_persistent}
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -216,19 +275,31 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert 1 <= num_m <= MAX_ROWS and config.variant in VARIANTS
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == n_cols
     block_m = row_bucket(num_m)
-    if config.variant == "dot":
+    if config.variant != "fma":  # tl.dot tiles
         block_m = max(block_m, MIN_DOT_ROWS)
     out_cols = n_rows // 2 if gate_up else n_rows
     out = torch.empty(num_m, out_cols, dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
     # gate_up: a program covers block_n / 2 activations, so the weight is even when I is
     even = (out_cols % (config.block_n // 2 if gate_up else config.block_n) == 0
             and n_cols % config.block_k == 0)
-    grid = ((n_rows + config.block_n - 1) // config.block_n,)
-    _kernel()[grid](
-        x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=even,
-        MODE=config.variant, GATE_UP=gate_up,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x))
+    n_blocks = (n_rows + config.block_n - 1) // config.block_n
+    common = dict(HAS_BIAS=bias is not None, EVEN=even, GATE_UP=gate_up,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **pdl.launch_options(x))
+    args = (x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
+            x.stride(0), weight.stride(0), out.stride(0))
+    if config.variant == "persistent":
+        programs = min(n_blocks, _num_programs(x.device))
+        _kernel()["persistent"][(programs,)](*args, programs, **common)
+    else:
+        _kernel()[config.variant][(n_blocks,)](*args, MODE=config.variant, **common)
     return out
+
+
+def _num_programs(device: torch.device) -> int:
+    """Programs of a "persistent" launch: one per SM (a fixed number per device, so graph
+    replays launch the same grid)."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
