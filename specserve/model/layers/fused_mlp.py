@@ -107,8 +107,10 @@ def config_for(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[int, int, int, 
 def rows_config_for(layer: torch.nn.Linear, x: torch.Tensor) -> gemv.RowsConfig | None:
     """The multi-row config when gemv.gate_up_silu_rows should serve silu_mul(layer(x)), else
     None: 2..MAX_ROWS rows (a batch-1 verification step) that triton_ops.linear would send to
-    gemv_rows, without bias. Why: there silu_mul was a kernel of its own per layer, which
-    costs its launch and ramp in a graph whose every other kernel streams weights."""
+    gemv_rows, without bias. Why: there silu_mul was a kernel of its own per layer (32
+    launches per step on an 8B model, ~48 us without PDL). On an H200 with PDL the fused
+    kernel measured no faster (BENCHMARKS.md, "H200, session 12"): it gives the same bits
+    with fewer launches, which counts on GPUs without PDL."""
     if not (ROWS_ENABLED and x.dim() == 2 and 2 <= x.shape[0] <= gemv.MAX_ROWS
             and _kernel_path(layer, x)):
         return None
