@@ -24,7 +24,6 @@ tests/gpu/sweep_gemv.py):
   idle, and programs small enough to fill them stream slower (BENCHMARKS.md, "H200, session
   12": Nsight Compute). Written in session 12 without a GPU at hand: it is in
   tests/gpu/sweep_gemv.py's sweep, and in no ROWS_CONFIGS entry until a sweep measures it.
-  Its first weights are not yet loaded before the PDL wait.
 
 All three accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
 count and shapes are host ints only, so the launch is CUDA-graph safe. The CPU path never comes
@@ -112,7 +111,7 @@ def row_bucket(num_rows: int) -> int:
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
     global triton, tl, pdl_jit  # kernels resolve names in this module's globals
-    global _accumulate, _weight_rows, _finish
+    global _accumulate, _weight_rows, _finish, _persistent_unit
     import triton
     import triton.language as tl
 
@@ -213,6 +212,20 @@ def _kernel():
         _finish(out, tl.program_id(0), rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
                 stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
 
+    @triton.jit
+    def _persistent_unit(acc, w, blk, kb, k_blocks, rows, row_mask, cols, m, m_mask, x_ptrs,
+                         b_ptr, out_ptr, n_rows, n_cols, stride_o, HAS_BIAS: tl.constexpr,
+                         EVEN: tl.constexpr, GATE_UP: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One (block blk, K block kb) step of _gemv_persistent: acc [BLOCK_N, BLOCK_M] +=
+        w @ x^T; after the block's last K block its sums are stored and acc restarts."""
+        acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, "dot", PRECISION)
+        if kb == k_blocks - 1:
+            _finish(tl.trans(acc), blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
+                    stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        return acc
+
     @triton.jit(do_not_specialize=["n_m"])
     def _gemv_persistent(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x,
                          stride_w, stride_o, n_programs, HAS_BIAS: tl.constexpr,
@@ -223,7 +236,8 @@ def _kernel():
         bit for bit: each block's sums run over K in the same order): n_programs programs (one
         per SM), program p owning weight-row blocks p, p + n_programs, ... One flat loop over
         its (block, K block) pairs keeps the weight stream pipelined across block boundaries;
-        a block's sums are stored when its last K block is in."""
+        a block's sums are stored when its last K block is in. The first pair is peeled off
+        the loop: its weights load before the PDL wait, as in _gemv_rows."""
         pid = tl.program_id(0)
         k_blocks = tl.cdiv(n_cols, BLOCK_K)
         n_blocks = tl.cdiv(n_rows, BLOCK_N)  # (GATE_UP: BLOCK_N / 2 of n_rows / 2 each)
@@ -232,24 +246,28 @@ def _kernel():
         m_mask = m < n_m
         x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
         t = tl.arange(0, BLOCK_N)
-        pdl_jit.release_and_wait(PDL)  # (no weights are prefetched before it yet)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for i in range(0, my_blocks * k_blocks):
+        rows, row_mask = _weight_rows(t, pid, n_rows, GATE_UP, BLOCK_N)
+        cols = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+        acc = _persistent_unit(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w, pid, 0,
+                               k_blocks, rows, row_mask, cols, m, m_mask, x_ptrs, b_ptr,
+                               out_ptr, n_rows, n_cols, stride_o, HAS_BIAS, EVEN, GATE_UP,
+                               PRECISION, BLOCK_M, BLOCK_N)
+        for i in range(1, my_blocks * k_blocks):
             blk = pid + (i // k_blocks) * n_programs
             kb = i % k_blocks
             rows, row_mask = _weight_rows(t, blk, n_rows, GATE_UP, BLOCK_N)
             cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+            w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
             if EVEN:
                 w = tl.load(w_rows + cols[None, :])
             else:
                 w = tl.load(w_rows + cols[None, :],
                             mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
-            acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, "dot", PRECISION)
-            if kb == k_blocks - 1:
-                _finish(tl.trans(acc), blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
-                        stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _persistent_unit(acc, w, blk, kb, k_blocks, rows, row_mask, cols, m, m_mask,
+                                   x_ptrs, b_ptr, out_ptr, n_rows, n_cols, stride_o, HAS_BIAS,
+                                   EVEN, GATE_UP, PRECISION, BLOCK_M, BLOCK_N)
 
     return {"fma": _gemv_rows, "dot": _gemv_rows, "persistent": _gemv_persistent}
 
