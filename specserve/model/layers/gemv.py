@@ -110,12 +110,12 @@ def row_bucket(num_rows: int) -> int:
 @functools.cache
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
-    global triton, tl, pdl_jit  # kernels resolve names in this module's globals
+    global triton, tl, gemv_jit  # kernels resolve names in this module's globals
     global _accumulate, _weight_rows, _finish, _persistent_unit
     import triton
     import triton.language as tl
 
-    from specserve.model.layers import pdl_jit
+    from specserve.model.layers import gemv_jit
 
     @triton.jit
     def _weight_rows(t, blk, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -190,7 +190,7 @@ def _kernel():
         x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
         cols = tl.arange(0, BLOCK_K)
-        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+        w = gemv_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
         if MODE == "dot":
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -198,12 +198,7 @@ def _kernel():
         acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
         for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                w = tl.load(w_rows + cols[None, :])
-            else:
-                w = tl.load(w_rows + cols[None, :],
-                            mask=row_mask[:, None] & (cols < n_cols)[None, :],
-                            other=0.0)  # [BLOCK_N, BLOCK_K]
+            w = gemv_jit.weight_tile(w_rows, cols, row_mask, n_cols, EVEN)  # [BLOCK_N, BLOCK_K]
             acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
         if MODE == "dot":
             out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -249,7 +244,7 @@ def _kernel():
         rows, row_mask = _weight_rows(t, pid, n_rows, GATE_UP, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-        w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+        w = gemv_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
         acc = _persistent_unit(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w, pid, 0,
                                k_blocks, rows, row_mask, cols, m, m_mask, x_ptrs, b_ptr,
                                out_ptr, n_rows, n_cols, stride_o, HAS_BIAS, EVEN, GATE_UP,
@@ -260,11 +255,7 @@ def _kernel():
             rows, row_mask = _weight_rows(t, blk, n_rows, GATE_UP, BLOCK_N)
             cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-            if EVEN:
-                w = tl.load(w_rows + cols[None, :])
-            else:
-                w = tl.load(w_rows + cols[None, :],
-                            mask=row_mask[:, None] & (cols < n_cols)[None, :], other=0.0)
+            w = gemv_jit.weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
             acc = _persistent_unit(acc, w, blk, kb, k_blocks, rows, row_mask, cols, m, m_mask,
                                    x_ptrs, b_ptr, out_ptr, n_rows, n_cols, stride_o, HAS_BIAS,
                                    EVEN, GATE_UP, PRECISION, BLOCK_M, BLOCK_N)
@@ -320,4 +311,10 @@ def _num_programs(device: torch.device) -> int:
     replays launch the same grid)."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    """Asked once per device: launches are a hot path."""
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,6 +1,7 @@
-"""Device code shared by the one-row GEMV kernels (triton_ops' _gemv and fused_mlp's
-_gate_up_silu): both stream a [BLOCK_N, K] slab of weight rows against one row of x and differ
-only in which rows they take and what they do with the sums.
+"""Device code shared by the GEMV kernels: loading a weight tile (every GEMV), loading the
+first one before the PDL wait (layers/pdl.py), and the one-row product that triton_ops' _gemv
+and fused_mlp's _gate_up_silu both run (they differ only in which rows they take and what they
+do with the sums).
 
 Imported only where triton is (the kernel modules import it when they compile).
 """
@@ -14,6 +15,28 @@ from specserve.model.layers import pdl_jit
 
 
 @triton.jit
+def weight_tile(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at rows w_rows [BLOCK_N, 1] and columns cols
+    [BLOCK_K]; unless EVEN, rows not row_mask and columns >= n_cols read as 0."""
+    if EVEN:
+        return tl.load(w_rows + cols[None, :])
+    else:
+        return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < n_cols)[None, :],
+                       other=0.0)
+
+
+@triton.jit
+def load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr,
+                           PDL: tl.constexpr):
+    """The peeled first block of a GEMV: its weight_tile, loaded BEFORE the PDL wait (weights
+    are no earlier kernel's output), so with PDL they stream while the previous kernel
+    drains; then pdl_jit.release_and_wait."""
+    w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
+    pdl_jit.release_and_wait(PDL)
+    return w
+
+
+@triton.jit
 def one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
     """sum_k w[row, k] * x[k] in float32 for the weight rows at w_rows [BLOCK_N, 1] (rows not
@@ -21,10 +44,10 @@ def one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN: tl.constexpr, BLOCK_K: t
 
     One [BLOCK_N, BLOCK_K] float32 accumulator of plain FMAs, summed over K once at the end. The
     first BLOCK_K columns are peeled off the loop: their weights are loaded before the PDL wait
-    (pdl_jit.load_weights_then_wait), so with PDL they stream while the previous kernel
+    (load_weights_then_wait), so with PDL they stream while the previous kernel
     finishes; acc starts as the first products, so the sums are those of the plain loop."""
     cols = tl.arange(0, BLOCK_K)
-    w = pdl_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+    w = load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
     if EVEN:
         x = tl.load(x_ptr + cols)
     else:
@@ -34,11 +57,8 @@ def one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN: tl.constexpr, BLOCK_K: t
         cols = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
             x = tl.load(x_ptr + cols)
-            w = tl.load(w_rows + cols[None, :])
         else:
-            col_mask = cols < n_cols
-            x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-            w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                        other=0.0)
+            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
+        w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     return tl.sum(acc, axis=1)

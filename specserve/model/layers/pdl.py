@@ -17,7 +17,8 @@ Numerics do not change: the same operations in the same order, only started earl
 Only launches made for a CUDA graph use it (``graph_launches``). Contract for a kernel taking a
 ``PDL`` constexpr: with PDL set, it calls ``gdc_wait`` before its first load of anything an
 earlier kernel may write and before its first store; the device side is layers/pdl_jit.py
-(``release_and_wait``, and ``load_weights_then_wait`` for the GEMVs' peeled first block).
+(``release_and_wait``; layers/gemv_jit.py's ``load_weights_then_wait`` for the GEMVs' peeled
+first block).
 The launch site passes ``**launch_options(tensor)``. ``SPECSERVE_PDL=0`` (or
 ``ENABLED = False`` before graphs are captured) turns it off; CPU tensors (the Triton
 interpreter in tests) never use it. tests/test_sm90_compile.py compiles every such kernel for
