@@ -93,7 +93,7 @@ def compile_launch(kernel: JITFunction, arguments: dict, options: dict) -> dict:
         "num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 3),
         "launch_pdl": options.get("launch_pdl", False),
         "first_load": first(r"\b(ld\.global|cp\.async)"),
-        "first_store": first(r"\bst\.global"),
+        "first_store": first(r"\b(st\.global|atom\.|red\.)"),
         "launch_dependents": first(r"griddepcontrol\.launch_dependents"),
         "wait": first(r"griddepcontrol\.wait"),
     }
@@ -116,12 +116,6 @@ def launch_everything() -> None:
         gemv.gemv_rows(rows, torch.empty(n, k, **bf16), None, config)
         if (n, k) in fused_mlp.GATE_UP_CONFIGS and config.block_n % 2 == 0:
             gemv.gate_up_silu_rows(rows, torch.empty(n, k, **bf16), config)
-    # the "persistent" variant (swept by tests/gpu/sweep_gemv.py, not yet in ROWS_CONFIGS)
-    persistent = gemv.RowsConfig("persistent", 32, 256, 4, 4)
-    gemv.gemv_rows(torch.empty(2, 4096, **bf16), torch.empty(6144, 4096, **bf16), None,
-                   persistent)
-    gemv.gate_up_silu_rows(torch.empty(2, 4096, **bf16), torch.empty(28672, 4096, **bf16),
-                           persistent)
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
     backend = triton_backend.TritonAttentionBackend(num_sms=132)
     rope = RotaryEmbedding(head_dim, 8192, 5e5)

@@ -117,7 +117,7 @@ def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["fma", "dot", "persistent"])
+@pytest.mark.parametrize("variant", ["fma", "dot"])
 def test_gemv_rows_half_precision(variant):
     """fp16 in and out (the interpreter's bf16 dot is wrong, see triton_kernels.py), float32
     sums: within fp16 rounding of the float64 product."""
@@ -128,29 +128,6 @@ def test_gemv_rows_half_precision(variant):
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, atol=2e-3,
                                rtol=2e-3)
-
-
-@pytest.mark.parametrize("rows,cols,block_n,block_k", [(48, 64, 16, 32), (51, 70, 16, 32),
-                                                      (200, 96, 16, 32), (9, 20, 32, 64)])
-def test_gemv_persistent_equals_dot(rows, cols, block_n, block_k, monkeypatch):
-    """The "persistent" variant (gemv.INTERPRETER_PROGRAMS programs, each walking several
-    weight-row blocks in one loop) gives the "dot" variant's bits with the same blocks, at
-    every M, even and uneven shapes, with a bias and as the fused gate_up + silu; and fewer
-    blocks than programs launches one program per block."""
-    gen = torch.Generator().manual_seed(rows + cols)
-    weight = (torch.randn(rows, cols, generator=gen) * 0.1).half()
-    bias = torch.randn(rows, generator=gen).half()
-    dot = gemv.RowsConfig("dot", block_n, block_k, 4, 1)
-    persistent = gemv.RowsConfig("persistent", block_n, block_k, 4, 1)
-    for num_m in range(1, gemv.MAX_ROWS + 1):
-        x = torch.randn(num_m, 2 * cols, generator=gen).half()[:, :cols]  # strided rows
-        assert torch.equal(gemv.gemv_rows(x, weight, bias, persistent),
-                           gemv.gemv_rows(x, weight, bias, dot)), num_m
-        if rows % 2 == 0:
-            assert torch.equal(gemv.gate_up_silu_rows(x, weight, persistent),
-                               gemv.gate_up_silu_rows(x, weight, dot)), num_m
-    torch.testing.assert_close(gemv.gemv_rows(x, weight, None, persistent).double(),
-                               x.double() @ weight.double().T, atol=2e-3, rtol=2e-3)
 
 
 def test_linear_dispatch(monkeypatch):

@@ -8,7 +8,7 @@ verify step costs about what a decode step does: on an H200 (tests/gpu/sweep_gem
 2026-12-03) Llama-3-8B's 32 layers of projections plus the lm_head took 3.96-4.00 ms at 2..9
 rows, against 3.86 ms for the one-row kernel at 1 row and 4.12-4.31 ms through cuBLAS.
 
-Three variants (chosen per shape and row bucket by a sweep on the H200,
+Two variants (chosen per shape and row bucket by a sweep on the H200,
 tests/gpu/sweep_gemv.py):
 - "fma": the one-row kernel (triton_ops.gemv) with a row dimension: a float32 accumulator
   [BLOCK_M, BLOCK_N, BLOCK_K] of plain FMAs, summed over K once at the end. Many small programs
@@ -17,15 +17,13 @@ tests/gpu/sweep_gemv.py):
 - "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
   zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
   stream counts.
-- "persistent": the "dot" tiles (the same bits), but one program per SM, each walking the
-  weight-row blocks p, p + #SMs, ... in one loop over (block, K block) so that its pipeline
-  never drains between blocks. Why: "dot" runs N / BLOCK_N programs, one per SM when its deep
-  pipeline fills the shared memory, so the 8B qkv (96 programs) left 36 of an H200's 132 SMs
-  idle, and programs small enough to fill them stream slower (BENCHMARKS.md, "H200, session
-  12": Nsight Compute). Written in session 12 without a GPU at hand: it is in
-  tests/gpu/sweep_gemv.py's sweep, and in no ROWS_CONFIGS entry until a sweep measures it.
+Two schedules that fill every SM were built, tested and measured on the H200 in sessions 12-13
+and lost to "dot" at every 8B shape and row bucket (BENCHMARKS.md, "H200, session 13"): a
+persistent one (one program per SM walking several weight-row blocks: +0.3-4 us) and a
+deterministic split-K (partials in a float32 workspace, added in order by the last program of a
+block: +0.7-22 us). So they are not here.
 
-All three accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
+All accumulate in float32 and write x's dtype; the bias (optional) is added in float32. Row
 count and shapes are host ints only, so the launch is CUDA-graph safe. The CPU path never comes
 here except under TRITON_INTERPRET=1 (tests).
 """
@@ -41,8 +39,7 @@ from specserve.model.layers import pdl
 
 MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
-VARIANTS = ("fma", "dot", "persistent")
-INTERPRETER_PROGRAMS = 3  # "persistent" on CPU tensors (tests): a few blocks per program
+VARIANTS = ("fma", "dot")
 
 
 class RowsConfig(NamedTuple):
@@ -111,7 +108,7 @@ def row_bucket(num_rows: int) -> int:
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
     global triton, tl, gemv_jit  # kernels resolve names in this module's globals
-    global _accumulate, _weight_rows, _finish, _persistent_unit
+    global _accumulate, _weight_rows, _finish
     import triton
     import triton.language as tl
 
@@ -207,60 +204,7 @@ def _kernel():
         _finish(out, tl.program_id(0), rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
                 stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
 
-    @triton.jit
-    def _persistent_unit(acc, w, blk, kb, k_blocks, rows, row_mask, cols, m, m_mask, x_ptrs,
-                         b_ptr, out_ptr, n_rows, n_cols, stride_o, HAS_BIAS: tl.constexpr,
-                         EVEN: tl.constexpr, GATE_UP: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One (block blk, K block kb) step of _gemv_persistent: acc [BLOCK_N, BLOCK_M] +=
-        w @ x^T; after the block's last K block its sums are stored and acc restarts."""
-        acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, "dot", PRECISION)
-        if kb == k_blocks - 1:
-            _finish(tl.trans(acc), blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
-                    stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        return acc
-
-    @triton.jit(do_not_specialize=["n_m"])
-    def _gemv_persistent(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x,
-                         stride_w, stride_o, n_programs, HAS_BIAS: tl.constexpr,
-                         EVEN: tl.constexpr, GATE_UP: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
-        """The "persistent" variant of _gemv_rows (same result as "dot" with the same blocks,
-        bit for bit: each block's sums run over K in the same order): n_programs programs (one
-        per SM), program p owning weight-row blocks p, p + n_programs, ... One flat loop over
-        its (block, K block) pairs keeps the weight stream pipelined across block boundaries;
-        a block's sums are stored when its last K block is in. The first pair is peeled off
-        the loop: its weights load before the PDL wait, as in _gemv_rows."""
-        pid = tl.program_id(0)
-        k_blocks = tl.cdiv(n_cols, BLOCK_K)
-        n_blocks = tl.cdiv(n_rows, BLOCK_N)  # (GATE_UP: BLOCK_N / 2 of n_rows / 2 each)
-        my_blocks = (n_blocks - pid + n_programs - 1) // n_programs
-        m = tl.arange(0, BLOCK_M)
-        m_mask = m < n_m
-        x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-        t = tl.arange(0, BLOCK_N)
-        rows, row_mask = _weight_rows(t, pid, n_rows, GATE_UP, BLOCK_N)
-        cols = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-        w = gemv_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
-        acc = _persistent_unit(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w, pid, 0,
-                               k_blocks, rows, row_mask, cols, m, m_mask, x_ptrs, b_ptr,
-                               out_ptr, n_rows, n_cols, stride_o, HAS_BIAS, EVEN, GATE_UP,
-                               PRECISION, BLOCK_M, BLOCK_N)
-        for i in range(1, my_blocks * k_blocks):
-            blk = pid + (i // k_blocks) * n_programs
-            kb = i % k_blocks
-            rows, row_mask = _weight_rows(t, blk, n_rows, GATE_UP, BLOCK_N)
-            cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-            w = gemv_jit.weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
-            acc = _persistent_unit(acc, w, blk, kb, k_blocks, rows, row_mask, cols, m, m_mask,
-                                   x_ptrs, b_ptr, out_ptr, n_rows, n_cols, stride_o, HAS_BIAS,
-                                   EVEN, GATE_UP, PRECISION, BLOCK_M, BLOCK_N)
-
-    return {"fma": _gemv_rows, "dot": _gemv_rows, "persistent": _gemv_persistent}
+    return {"fma": _gemv_rows, "dot": _gemv_rows}
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -298,23 +242,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   num_stages=config.num_stages, **pdl.launch_options(x))
     args = (x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
             x.stride(0), weight.stride(0), out.stride(0))
-    if config.variant == "persistent":
-        programs = min(n_blocks, _num_programs(x.device))
-        _kernel()["persistent"][(programs,)](*args, programs, **common)
-    else:
-        _kernel()[config.variant][(n_blocks,)](*args, MODE=config.variant, **common)
+    _kernel()[config.variant][(n_blocks,)](*args, MODE=config.variant, **common)
     return out
-
-
-def _num_programs(device: torch.device) -> int:
-    """Programs of a "persistent" launch: one per SM (a fixed number per device, so graph
-    replays launch the same grid)."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    """Asked once per device: launches are a hot path."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
