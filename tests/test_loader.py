@@ -400,10 +400,10 @@ def test_synthetic_llama_gguf_unpermutes_qk(tmp_path, tied):
 def test_gguf_blocks_equal_the_dequantized_model(tmp_path, tied):
     """A Q4_1 / Q8_0 GGUF on the CPU keeps its blocks by default (quantization/gguf_blocks.py):
     every projection, including fused q/k/v with un-permuted Q/K rows and the (tied) head, must
-    compute what its dequantized float32 weight computes, through the kernel at a few rows and
-    the dense weight at many."""
+    compute what its dequantized float32 weight computes, through the kernel at any number of
+    rows (one, a verification's few, a batch, a prompt; and a 3-d input)."""
     from specserve.model.layers import cpu_kernels
-    from specserve.model.layers.quantization.gguf_blocks import MAX_KERNEL_ROWS, GGUFBlockLinear
+    from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
     from specserve.worker.loading import load_model
 
     if cpu_kernels.load() is None:
@@ -418,11 +418,17 @@ def test_gguf_blocks_equal_the_dequantized_model(tmp_path, tied):
     gen = torch.Generator().manual_seed(0)
     for name, module in blocks.items():
         assert module.weight.t().is_contiguous(), name  # the dense copy is MKL's fast layout
-        for rows in (1, 3, MAX_KERNEL_ROWS + 4):
-            x = torch.randn(rows, module.in_features, generator=gen)
+        for shape in ((1,), (3,), (20,), (77,), (2, 9)):
+            x = torch.randn(*shape, module.in_features, generator=gen)
             ref = x.double() @ module.weight.double().t()  # the dequantized weight
             scale = x.abs().double() @ module.weight.abs().double().t()
-            assert ((module(x).double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), (name, rows)
+            assert ((module(x).double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), (name, shape)
+        calls = []
+        real_kernel = module._kernel
+        module._kernel = lambda *a: calls.append(1) or real_kernel(*a)
+        module(torch.randn(40, module.in_features, generator=gen))
+        assert calls == [1], name  # many rows read the blocks too
+        module._kernel = real_kernel
 
 
 def test_synthetic_qwen2_gguf_has_biases_and_no_permutation(tmp_path):
