@@ -22,17 +22,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
-
 
 def store_linear_weights_input_major(model: nn.Module) -> int:
-    """Re-store every float32 CPU ``nn.Linear`` weight of model (and the dense weight a
-    ``GGUFBlockLinear`` keeps) input-major; returns how many weight tensors were changed (a
-    weight tied to an embedding counts once)."""
+    """Re-store every float32 CPU ``nn.Linear`` weight of model input-major; returns how many
+    weight tensors were changed (a weight tied to an embedding counts once). A GGUFBlockLinear
+    never multiplies by a dense weight (the one a tied head keeps is the embedding table, which
+    stays row-major for its lookups)."""
     changed: set[int] = set()
     for module in model.modules():
-        # GGUFBlockLinear keeps a dense weight for prefill and large batches: the same case
-        if not isinstance(module, (nn.Linear, GGUFBlockLinear)):
+        if not isinstance(module, nn.Linear):
             continue
         weight = module.weight
         if (id(weight) in changed or weight.device.type != "cpu"

@@ -26,7 +26,9 @@ at 32 rows 8.6 against 32.8 ms. In the engine, batch-32 decoding ran 2.2x (chat)
 (code edits) the tokens per second, and prefill 1.6x (902-971 against 546-605 prompt tokens
 per second), with the same greedy tokens. (Until then rows above 16 went to the dense weight:
 the kernel of session 2, before its AVX-512 decode, measured 107 against 77 ms at 32 rows.)
-The dense weight stays the layer's parameter (code that reads ``weight`` is unaffected).
+So the layers keep no dense copy: their ``weight`` is None, except a head tied to the embedding,
+whose weight is the embedding table (the lookup needs it anyway). SmolLM2's float32 copies were
+424 MB of the model's 540 MB of tensors.
 """
 
 from __future__ import annotations
@@ -46,13 +48,13 @@ BlockKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [M, K], 
 class GGUFBlockLinear(nn.Module):
     """``nn.Linear`` whose products read the GGUF blocks (a float32 model: float32 inputs).
 
-    ``weight`` and ``bias`` stay the dense layer's parameters (a tied embedding keeps sharing its
-    table), so code that reads them is unaffected."""
+    ``bias`` stays the dense layer's; ``weight`` is None unless keep_weight (a head tied to the
+    embedding: then it is the embedding table, shared, not copied)."""
 
     def __init__(self, linear: nn.Linear, blocks: torch.Tensor, kernel: BlockKernel,
-                 format_name: str) -> None:
+                 format_name: str, keep_weight: bool = False) -> None:
         super().__init__()
-        self.weight = linear.weight  # [N, K] float32, shared, not copied
+        self.weight = linear.weight if keep_weight else None  # [N, K] float32 or None
         self.bias = linear.bias
         self.register_buffer("blocks", blocks)  # [N, K / 32 * block bytes] uint8, GGUF's bytes
         self._kernel = kernel
@@ -79,6 +81,7 @@ class GGUFBlocks(QuantizationMethod):
     def __init__(self) -> None:
         self._blocks: dict[str, tuple[torch.Tensor, str]] = {}
         self._kernels = None
+        self._embedding_tables: set[int] = set()  # data_ptr of every embedding weight
 
     def bind(self, model: nn.Module, source) -> None:
         if not getattr(source, "is_gguf", False):
@@ -89,6 +92,8 @@ class GGUFBlocks(QuantizationMethod):
         from specserve.model.gguf_loader import linear_blocks
 
         self._blocks = linear_blocks(source.gguf_file, model)
+        self._embedding_tables = {m.weight.data_ptr() for m in model.modules()
+                                  if isinstance(m, nn.Embedding)}
 
     def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
         found = self._blocks.get(name)
@@ -96,4 +101,5 @@ class GGUFBlocks(QuantizationMethod):
             return None
         blocks, format_name = found
         kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
-        return GGUFBlockLinear(linear, blocks, kernel, format_name)
+        tied = linear.weight.data_ptr() in self._embedding_tables
+        return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
