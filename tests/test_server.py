@@ -313,3 +313,12 @@ def test_smollm2_chat_greedy_equals_llm_chat(smol_server):
         assert r.usage.prompt_tokens == len(e.prompt_token_ids)
         assert r.usage.completion_tokens == len(e.outputs[0].token_ids)
     assert "Paris" in got[0].choices[0].message.content
+
+
+def test_startup_heap_is_frozen(server):
+    """The server freezes its loaded engine out of the garbage collector's scans
+    (engine/heap.py) and says how many objects it froze."""
+    import re
+
+    found = re.search(r"froze (\d+) start-up objects", server.log_tail(400))
+    assert found and int(found.group(1)) > 10000, server.log_tail()
