@@ -316,9 +316,9 @@ def test_smollm2_chat_greedy_equals_llm_chat(smol_server):
 
 
 def test_startup_heap_is_frozen(server):
-    """The server freezes its loaded engine out of the garbage collector's scans
+    """The server's engine freezes its start-up heap out of the garbage collector's scans
     (engine/heap.py) and says how many objects it froze."""
     import re
 
-    found = re.search(r"froze (\d+) start-up objects", server.log_tail(400))
+    found = re.search(r"froze (\d+) start-up\s+objects", server.log_tail(400))
     assert found and int(found.group(1)) > 10000, server.log_tail()
