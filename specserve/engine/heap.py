@@ -12,8 +12,9 @@ vLLM freezes its heap after start-up for the same reason.
 Every LLMEngine freezes at the end of its start-up. A freeze would pin until exit whatever
 cyclic garbage is among the frozen objects, so each one first unfreezes what an earlier engine
 of the process froze and collects: an engine that a script or a test dropped is freed, not
-pinned (that full collection costs ~0.2-0.3 s per engine start here). At exit the heap is
-unfrozen, so the final collection runs over everything again.
+pinned (that full collection costs ~0.2-0.3 s per engine start here; it also unfreezes what
+the application may have frozen itself, which the new freeze then covers again). At exit the
+heap is unfrozen, so the final collection runs over everything again.
 """
 
 from __future__ import annotations
