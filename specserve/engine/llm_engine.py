@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import EngineArgs, resolve_device, resolve_dtype
-from specserve.engine.heap import freeze_startup_heap
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import Detokenizer, DetokenizerState
+from specserve.engine.heap import freeze_startup_heap
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.scheduler import ScheduledSequence, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus
