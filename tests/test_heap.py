@@ -40,3 +40,18 @@ def test_freeze_collects_then_freezes_and_unfreezes_at_exit():
     lines = done.stdout.splitlines()
     assert lines[:3] == ["True True True", "True", "True True"], done.stdout
     assert lines[3] == "at exit, frozen: 0", done.stdout  # unfrozen before the final collection
+
+
+def test_offline_llm_does_not_freeze(tiny_llama):
+    """Only the server freezes: an offline LLM must stay collectable (del llm; gc.collect()
+    frees its model and KV cache), so building one freezes nothing."""
+    script = textwrap.dedent(f"""
+        import gc
+        from specserve import LLM
+        llm = LLM(model={str(tiny_llama)!r}, device="cpu")
+        print(gc.get_freeze_count())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0", done.stdout

@@ -316,7 +316,7 @@ def test_smollm2_chat_greedy_equals_llm_chat(smol_server):
 
 
 def test_startup_heap_is_frozen(server):
-    """The server's engine freezes its start-up heap out of the garbage collector's scans
+    """The server freezes its loaded engine out of the garbage collector's scans
     (engine/heap.py) and says how many objects it froze."""
     import re
 

@@ -1,5 +1,5 @@
-"""Freeze the objects a process holds once its engine is up, so that Python's cyclic garbage
-collector stops re-scanning them.
+"""Freeze the objects a server process holds once its engine is up, so that Python's cyclic
+garbage collector stops re-scanning them.
 
 Why: a loaded engine process tracks ~385k container objects (the model's modules, the
 tokenizer, configs, torch's and Triton's own). Python's full (generation-2) collection walks
@@ -9,12 +9,11 @@ those objects frozen (``gc.freeze``: a permanent generation the collector skips)
 workload's full collection took 28 ms, and its generation-1 collections 33 ms instead of 70 ms.
 vLLM freezes its heap after start-up for the same reason.
 
-Every LLMEngine freezes at the end of its start-up. A freeze would pin until exit whatever
-cyclic garbage is among the frozen objects, so each one first unfreezes what an earlier engine
-of the process froze and collects: an engine that a script or a test dropped is freed, not
-pinned (that full collection costs ~0.2-0.3 s per engine start here; it also unfreezes what
-the application may have frozen itself, which the new freeze then covers again). At exit the
-heap is unfrozen, so the final collection runs over everything again.
+The API server freezes once its engine is up: one engine for the life of the process. An
+offline ``LLM`` is not frozen: ``del llm; gc.collect()`` must free its model and KV cache, and
+a frozen reference cycle would hold them until exit. Each call first unfreezes what an earlier
+call froze and collects, so nothing stays pinned by a previous freeze. At exit the heap is
+unfrozen, so the final collection runs over everything again.
 """
 
 from __future__ import annotations

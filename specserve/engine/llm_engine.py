@@ -17,7 +17,6 @@ import torch
 from specserve.config import EngineArgs, resolve_device, resolve_dtype
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import Detokenizer, DetokenizerState
-from specserve.engine.heap import freeze_startup_heap
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.scheduler import ScheduledSequence, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus
@@ -141,10 +140,9 @@ class LLMEngine:
             posterior_alpha=spec.posterior_alpha if spec else 0.3)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
-        frozen = freeze_startup_heap()  # full GC passes skip the loaded engine (engine/heap.py)
-        logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d; froze %d start-up "
-                    "objects out of the garbage collector's scans", time.perf_counter() - t0,
-                    self.source.name, self.dtype, self.device, self.max_model_len, frozen)
+        logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
+                    time.perf_counter() - t0, self.source.name, self.dtype, self.device,
+                    self.max_model_len)
 
     # ---- set-up helpers --------------------------------------------------------------------
     def _size_kv_cache(self, draft_runner: ModelRunner | None, max_num_tokens: int) -> int:

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 
 from specserve import __version__
 from specserve.engine.async_engine import AsyncLLMEngine, ServerOverloadedError
+from specserve.engine.heap import freeze_startup_heap
 from specserve.engine.llm_engine import LLMEngine
 from specserve.entrypoints.args import engine_kwargs_from_args
 from specserve.entrypoints.openai.cli_args import (
@@ -165,6 +166,8 @@ def run_server(args: argparse.Namespace) -> int:
     config = server_config_from_args(args)  # bad server flags fail before weights load
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = create_engine(args, config)
+    frozen = freeze_startup_heap()  # full GC passes skip the loaded engine (engine/heap.py)
+    logger.info("froze %d start-up objects out of the garbage collector's scans", frozen)
     model_path = default_model_name(engine.engine, args.model)
     app = build_app(engine, config, model_path)
     logger.info("serving %s on http://%s:%d (speculation: %s)", model_path, config.host,
