@@ -406,7 +406,8 @@ def test_gguf_blocks_equal_the_dequantized_model(tmp_path, tied):
     the lookup wants it)."""
     from specserve.model.layers import cpu_kernels
     from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
-    from specserve.worker.loading import build_model, load_model
+    from specserve.model.registry import build_model
+    from specserve.worker.loading import load_model
 
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels did not build")
