@@ -585,6 +585,56 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
     return lines
 
 
+def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
+             out: Path | None, caps=(0, 1, 2), skip: int = 20, steps: int = 12) -> list[str]:
+    """Where batch-32 steps spend wall time the GPU does not cover (step_timeline.py): plain
+    decoding and fixed caps of replayed proposals at a = 0.5, `steps` steady-state steps each
+    under torch.profiler, phases labelled; a table per run of host and GPU-idle time per
+    phase. The traces are kept gzipped under OUT."""
+    import gzip
+    import shutil
+
+    from step_timeline import phase_seconds, profile_steps, summarize
+
+    lines: list[str] = []
+    saved_adaptive, limit = driver.adaptive, driver._limit
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    work = Path(tempfile.mkdtemp(prefix="timeline_"))
+    skip, steps = min(skip, new_tokens // 4), min(steps, new_tokens // 4)  # all steady ones
+    try:
+        driver.adaptive = None
+        replay.acceptance = 0.5
+        for cap in caps:
+            engine.speculation = driver if cap else None
+            driver._limit = lambda s, b, _cap=cap: min(_cap, limit(s, b))
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"timeline{cap}-{i}-{time.monotonic_ns()}", None, params,
+                                   prompt_token_ids=prompt)
+            for _ in range(skip):
+                engine.step()
+            sync()
+            trace = work / f"timeline_cap{cap}.json"
+            walls = profile_steps(engine, steps, trace)
+            phases = phase_seconds(engine, steps)
+            while engine.has_unfinished_requests():
+                engine.step()
+            title = "plain" if cap == 0 else f"fixed cap {cap}, replay a = 0.5"
+            lines += summarize(trace, f"batch {len(prompts)}, {title}", walls)
+            lines += [f"the next {steps} steps, no profiler (inclusive ms/step): " + ", ".join(
+                f"{label} {1e3 * t:.3f}" for label, t in sorted(phases.items(),
+                                                                  key=lambda x: -x[1])), ""]
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                with trace.open("rb") as src, gzip.open(out / f"{trace.name}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+    finally:
+        del driver._limit
+        driver.adaptive = saved_adaptive
+        engine.speculation = driver
+        shutil.rmtree(work, ignore_errors=True)
+    return lines
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -716,6 +766,10 @@ def main() -> int:
     ap.add_argument("--profile-steady-steps", action="store_true",
                     help="after section 4: cProfile over 40 steady-state steps of a batch-32 "
                          "adaptive run at a = 0.5 (host time per function)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after section 4: torch.profiler timelines of steady batch-32 steps "
+                         "(plain, fixed caps 1 and 2 at a = 0.5): host and GPU-idle time per "
+                         "engine phase (step_timeline.py)")
     ap.add_argument("--steps-log", action="store_true",
                     help="write every engine step of section 4's runs to OUT/steps.jsonl "
                          "(time, proposals, draft catch-up tokens, cap, batch)")
@@ -1032,6 +1086,11 @@ def main() -> int:
             driver.adaptive = adaptive  # the policy as users get it, at the hardest rate
             replay.acceptance = 0.5
             spec["profile_steady"] = profile_steady_steps(engine, b32, new32, args.out)
+        if args.timeline:
+            say("\n== 4f. where batch-32 steps leave the GPU idle (per engine phase)")
+            spec["timeline"] = timeline(engine, driver, replay, b32, new32, args.out)
+            for line in spec["timeline"]:
+                say(line)
         if args.catch_up_sweep:
             spec["catch_up_sweep"] = catch_up_sweep(draft_runner, engine.runner, len(b32),
                                                     args.out)
