@@ -328,13 +328,13 @@ def test_declined_draft_free_proposals_are_scored_for_free():
     seq = _fake_seq(1, tokens)
     scheduled = [SimpleNamespace(seq=seq, num_lookahead=3, num_new_tokens=1)]
     assert driver.propose(scheduled, scheduled)[0] == [[]]
-    assert driver._shadows[1] == (6, [7, 8, 5])
+    assert driver._shadows[1] == (6, [7, 8, 5], 2)  # the tail [5, 6] matched: class 2
     before = list(driver.adaptive.global_acceptance)
     for token in (7, 8):  # the text goes on as proposed: undecided yet
         tokens.append(token)
         seq.num_tokens += 1
         driver.propose(scheduled, scheduled)
-        assert driver._shadows[1] == (6, [7, 8, 5])
+        assert driver._shadows[1] == (6, [7, 8, 5], 2)
     tokens.append(9)  # third proposal rejected: 2 of 3 would have been accepted
     seq.num_tokens += 1
     driver._resolve_shadow(seq)
@@ -343,6 +343,10 @@ def test_declined_draft_free_proposals_are_scored_for_free():
     assert driver.adaptive.acceptance[1] == [first + 0.3 * (1 - first), cont + 0.3 * (0.5 - cont)]
     assert driver.adaptive.global_acceptance == [first + 0.05 * (1 - first),
                                                  cont + 0.05 * (0.5 - cont)]
+    # ... and so do the counts of its evidence class: depths 1-3 reached, 1-2 accepted
+    evidence = driver.adaptive.evidence
+    assert evidence.reached[2, :4].tolist() == [1, 1, 1, 0]
+    assert evidence.accepted[2, :4].tolist() == [1, 1, 0, 0]
 
 
 def test_continuation_rate_is_optimistic_until_tried():
@@ -598,3 +602,47 @@ def test_a_new_closed_batch_runs_cap_1_once_to_learn_its_own_acceptance():
         policy.record(seq_id, 1, 1 if seq_id % 10 < 7 else 0)  # first proposals: 0.7
     policy.plan(new_batch, [4] * 32, **closed)
     assert policy.last_cap >= 1
+
+
+def _idle_batch(num_seqs: int, temperature: float = 0.0):
+    """A draft-free driver whose policy declines every proposal, over num_seqs sequences that
+    always have an n-gram match, and a count of the proposer's lookups."""
+    spec = SpeculativeConfig("ngram", 3, ngram_prompt_lookup_max=2)
+    proposer = NgramProposer(2, 1)
+    looks = []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks, on_device=False: (looks.append(1), propose(seqs, ks))[1]
+    driver = SpeculationDriver(spec, proposer, max_model_len=1000, spec_max_model_len=1000)
+    driver.adaptive.plan = lambda ids, limits, **kw: [0] * len(ids)  # always decline
+    scheduled = []
+    for seq_id in range(num_seqs):
+        seq = _fake_seq(seq_id, [5, 6, 7, 5, 6])
+        seq.params = SamplingParams(temperature=temperature, max_tokens=100)
+        scheduled.append(SimpleNamespace(seq=seq, num_lookahead=3, num_new_tokens=1))
+    return driver, scheduled, looks
+
+
+def test_an_idle_closed_batch_looks_for_proposals_only_now_and_then():
+    """After IDLE_AFTER steps in a row without a chosen proposal, a closed draft-free batch of
+    IDLE_MIN_BATCH or more looks every IDLE_LOOK_EVERY steps; a joining sequence makes it look
+    every step again. Open batches, small ones and batches with sampled sequences always look."""
+    from specserve.spec_decode.driver import IDLE_AFTER, IDLE_LOOK_EVERY, IDLE_MIN_BATCH
+
+    driver, scheduled, looks = _idle_batch(IDLE_MIN_BATCH)
+    steps = IDLE_AFTER + 4 * IDLE_LOOK_EVERY
+    for _ in range(steps):
+        driver.propose(scheduled, scheduled, closed=True)
+    assert len(looks) == IDLE_AFTER + 4
+    joined = _fake_seq(99, [5, 6, 7, 5, 6])
+    scheduled.append(SimpleNamespace(seq=joined, num_lookahead=3, num_new_tokens=1))
+    looks.clear()
+    for _ in range(IDLE_AFTER):
+        driver.propose(scheduled, scheduled, closed=True)
+    assert len(looks) == IDLE_AFTER
+    for num_seqs, closed, temperature in ((IDLE_MIN_BATCH, False, 0.0),
+                                          (IDLE_MIN_BATCH - 1, True, 0.0),
+                                          (IDLE_MIN_BATCH, True, 0.8)):
+        driver, scheduled, looks = _idle_batch(num_seqs, temperature)
+        for _ in range(steps):
+            driver.propose(scheduled, scheduled, closed=closed)
+        assert len(looks) == steps, (num_seqs, closed, temperature)

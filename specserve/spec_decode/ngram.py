@@ -40,13 +40,17 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens following the most recent earlier occurrence of the longest matching
         tail of tokens (the tail itself excluded); [] when none matches."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(propose(tokens, k), the length n of the matched tail; 0 when none matches)."""
         self.update(tokens)
         length = len(tokens)
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
             start = self.follow.get(tuple(tokens[length - n :]))
             if start is not None:
-                return list(tokens[start : start + k])
-        return []
+                return list(tokens[start : start + k]), n
+        return [], 0
 
 
 def find_ngram_proposal(tokens: list[int], n_max: int, n_min: int, k: int) -> list[int]:
@@ -64,16 +68,19 @@ class NgramProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int],
                 on_device: bool = False) -> DraftProposals:
-        out = []
+        out, lengths = [], []
         for seq, k in zip(seqs, max_tokens, strict=True):
             if k <= 0:
                 out.append([])
+                lengths.append(0)
                 continue
             index = self._indexes.get(seq.seq_id)
             if index is None:
                 index = self._indexes[seq.seq_id] = NgramIndex(self.n_max, self.n_min)
-            out.append(index.propose(seq.token_ids, k))
-        return DraftProposals(out, None)
+            tokens, n = index.match(seq.token_ids, k)
+            out.append(tokens)
+            lengths.append(n if tokens else 0)
+        return DraftProposals(out, None, match_lengths=lengths)
 
     def free(self, seq: Sequence) -> None:
         self._indexes.pop(seq.seq_id, None)

@@ -29,6 +29,12 @@ class DraftProposals:
     # entries), when the caller allowed it; token_ids then hold placeholders of the right
     # lengths until the verification step reads them back together with its own result.
     device_tokens: torch.Tensor | None = None
+    # Per sequence, how much context the proposal's evidence matched (draft-free methods: the
+    # n-gram length, or the suffix-tree match length; 0 with no proposal), or None. The
+    # adaptive policy learns acceptance per evidence class: on HumanEval edits with SmolLM2 a
+    # first proposal after a 1-token match was accepted 20 % of the time, after a 4-token
+    # match 87 %, and runs after long matches went on far longer (adaptive.py).
+    match_lengths: list[int] | None = None
 
     @property
     def num_tokens(self) -> list[int]:

@@ -281,11 +281,12 @@ class SuffixProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int],
                 on_device: bool = False) -> DraftProposals:
-        out = []
+        out, lengths = [], []
         for seq, k in zip(seqs, max_tokens, strict=True):
             state = self._catch_up(seq)
             if k <= 0:
                 out.append([])
+                lengths.append(0)
                 continue
             context = seq.token_ids[-self.max_depth :]
             best = state.request.tree.speculate(context, k, self.max_spec_factor,
@@ -296,7 +297,8 @@ class SuffixProposer(Proposer):
                 if other.score > best.score:
                     best = other
             out.append(best.token_ids)
-        return DraftProposals(out, None)
+            lengths.append(best.match_len if best.token_ids else 0)
+        return DraftProposals(out, None, match_lengths=lengths)
 
     def free(self, seq: Sequence) -> None:
         # Preemption keeps a sequence's tokens, so its tree stays valid: keep it and save the
