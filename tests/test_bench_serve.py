@@ -41,7 +41,10 @@ def test_percentiles_interpolate():
 
 def test_benchmark_end_to_end_tiny_model(tiny_llama, capsys):
     config = bench.BenchConfig(
-        modes={"none": (), "ngram": bench.NGRAM_FLAGS},
+        # Fixed k: on a tiny random model "[ngram]" is rarely accepted, and whether the adaptive
+        # policy verifies any proposal within 8 tokens depends on how the steps timed (under a
+        # loaded machine it declined them all, and there was no acceptance rate to report).
+        modes={"none": (), "ngram": (*bench.NGRAM_FLAGS, "--speculative-adaptive", "false")},
         server_args=tuple(tiny_server_args(tiny_llama)),
         rates=(bench.INF, 50.0), num_requests=NUM_REQUESTS, max_tokens=MAX_TOKENS,
         warmup_requests=1)
