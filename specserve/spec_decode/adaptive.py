@@ -59,6 +59,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -218,17 +219,32 @@ def row_value(points: list[tuple[float, float]], batch_size: int) -> float:
 
 
 def _cost_table(points: list[tuple[float, float]], max_p: int,
-                penalty: float) -> np.ndarray:
+                penalty: float) -> list[float]:
     """cost[p] for p = 0..max_p: a step with p proposals, in plain steps (t(B, p) / t(B, 0)
     from measured points, linear in between, plus the switch penalty; cost[0] = 1).
 
     Past the largest measured p it is the last measured ratio: a lower bound (a step never gets
     cheaper with more proposals), so a larger p is tried whenever it could pay and is measured
-    by trying it. One vectorized pass (the planner reads every p up to the batch's candidates
-    each step: a search per p cost ~0.25 ms per step at batch 32)."""
-    xs, ys = zip(*points, strict=True)
-    table = np.interp(np.arange(max_p + 1), xs, ys) + penalty  # clamps past the last point
-    table[0] = 1.0
+    by trying it. One pass over p in plain Python (the planner reads every p up to the batch's
+    candidates each step: a search per p cost ~0.25 ms per step at batch 32, and numpy's
+    per-call overhead on arrays this small ~0.1 ms per step at batch 1, 1 % of a CPU step);
+    the same arithmetic as np.interp."""
+    xs = [x for x, _ in points]
+    ys = [y for _, y in points]
+    last = len(xs) - 1
+    table = [1.0]
+    i = 0
+    for p in range(1, max_p + 1):
+        if p >= xs[last]:
+            value = ys[last]
+        elif p <= xs[0]:
+            value = ys[0]
+        else:
+            while xs[i + 1] < p:  # xs[i] < p <= xs[i + 1]
+                i += 1
+            slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+            value = slope * (p - xs[i]) + ys[i]
+        table.append(value + penalty)
     return table
 
 
@@ -451,7 +467,7 @@ class AdaptiveSpeculation:
                        for a, k in zip(accept, ks, strict=True))
 
     @staticmethod
-    def _rate_to_beat(expected: float, cost: np.ndarray, fixed: int) -> float:
+    def _rate_to_beat(expected: float, cost: list[float], fixed: int) -> float:
         """Predicted tokens per plain step of the step as planned so far (fixed proposals);
         adding speculation to a plain step must beat it by MIN_GAIN."""
         return expected / cost[fixed] * (MIN_GAIN if fixed == 0 else 1.0)
@@ -481,14 +497,22 @@ class AdaptiveSpeculation:
         del candidates[max(explore_limit(points) - fixed, 0):]
         if not candidates:
             return
-        # predicted tokens per plain step with the first m candidates, m = 1..len
-        extra = np.cumsum([gain for gain, _, _ in candidates])
+        # predicted tokens per plain step with the first m candidates, m = 1..len (plain
+        # Python, like _cost_table)
+        extra = list(accumulate(gain for gain, _, _ in candidates))
         if closed:  # the first candidate of each sequence (j = 1) comes before its others
-            share = np.cumsum([j == 1 for _, j, _ in candidates]) / n
-            extra *= share + (1.0 - share) * row_value(points, n)
-        rates = (expected + extra) / cost[fixed + 1 : fixed + 1 + len(candidates)]
-        best = int(np.argmax(rates))  # the first of equal rates: the fewest proposals
-        best_m = best + 1 if rates[best] > self._rate_to_beat(expected, cost, fixed) else 0
+            value = row_value(points, n)
+            firsts = 0
+            for m, (_, j, _) in enumerate(candidates):
+                firsts += j == 1
+                share = firsts / n
+                extra[m] *= share + (1.0 - share) * value
+        best, best_rate = 0, -math.inf  # the first of equal rates: the fewest proposals
+        for m, more in enumerate(extra):
+            rate = (expected + more) / cost[fixed + 1 + m]
+            if rate > best_rate:
+                best, best_rate = m, rate
+        best_m = best + 1 if best_rate > self._rate_to_beat(expected, cost, fixed) else 0
         for _, j, i in candidates[:best_m]:
             ks[i] = max(ks[i], j)
 
