@@ -549,6 +549,18 @@ def profile_spec_steps(engine, driver, prompts: list[list[int]], new_tokens: int
     return lines
 
 
+def add_and_skip(engine, prompts: list[list[int]], params: SamplingParams, tag: str,
+                 skip: int) -> None:
+    """Add one request per prompt and run `skip` engine steps (prefill and the first decode
+    steps), so that what is measured next is the batch's steady state."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}-{time.monotonic_ns()}", None, params,
+                           prompt_token_ids=prompt)
+    for _ in range(skip):
+        engine.step()
+    sync()
+
+
 def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out: Path | None,
                          skip: int = 20, steps: int = 40) -> list[str]:
     """Host time of a batch-32 speculative run in its steady state (after ``skip`` steps): the
@@ -559,12 +571,7 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
     import pstats
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"steady-{i}-{time.monotonic_ns()}", None, params,
-                           prompt_token_ids=prompt)
-    for _ in range(skip):
-        engine.step()
-    sync()
+    add_and_skip(engine, prompts, params, "steady", skip)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -607,12 +614,7 @@ def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
         for cap in caps:
             engine.speculation = driver if cap else None
             driver._limit = lambda s, b, _cap=cap: min(_cap, limit(s, b))
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"timeline{cap}-{i}-{time.monotonic_ns()}", None, params,
-                                   prompt_token_ids=prompt)
-            for _ in range(skip):
-                engine.step()
-            sync()
+            add_and_skip(engine, prompts, params, f"timeline{cap}", skip)
             trace = work / f"timeline_cap{cap}.json"
             walls = profile_steps(engine, steps, trace)
             phases = phase_seconds(engine, steps)

@@ -27,18 +27,12 @@ STEP_LABEL = "step"
 
 
 @contextmanager
-def labelled(obj, name: str, label: str):
-    """Wrap obj.name (a bound method or function attribute) in a record_function range."""
-    from torch.profiler import record_function
-
+def wrapped(obj, name: str, around):
+    """Replace obj.name by around(obj.name) while the context lasts, then put back exactly
+    what was there (an instance attribute restored, or removed again)."""
     original = getattr(obj, name)
     had_own = name in vars(obj)
-
-    def run(*args, **kwargs):
-        with record_function(label):
-            return original(*args, **kwargs)
-
-    setattr(obj, name, run)
+    setattr(obj, name, around(original))
     try:
         yield
     finally:
@@ -46,6 +40,19 @@ def labelled(obj, name: str, label: str):
             setattr(obj, name, original)
         else:
             delattr(obj, name)
+
+
+def labelled(obj, name: str, label: str):
+    """Wrap obj.name (a bound method or function attribute) in a record_function range."""
+    from torch.profiler import record_function
+
+    def around(original):
+        def run(*args, **kwargs):
+            with record_function(label):
+                return original(*args, **kwargs)
+        return run
+
+    return wrapped(obj, name, around)
 
 
 def engine_phases(engine) -> list[tuple[object, str, str]]:
@@ -107,30 +114,20 @@ def phase_seconds(engine, steps: int) -> dict[str, float]:
 
     totals: dict[str, float] = {}
 
-    @contextmanager
-    def timed(obj, name: str, label: str):
-        original = getattr(obj, name)
-        had_own = name in vars(obj)
-
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
-
-        setattr(obj, name, run)
-        try:
-            yield
-        finally:
-            if had_own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)
+    def timer(label: str):
+        def around(original):
+            def run(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
+            return run
+        return around
 
     with ExitStack() as stack:
         for obj, name, label in engine_phases(engine):
-            stack.enter_context(timed(obj, name, label))
+            stack.enter_context(wrapped(obj, name, timer(label)))
         for _ in range(steps):
             engine.step()
             if torch.cuda.is_available():
