@@ -601,10 +601,10 @@ def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
     import gzip
     import shutil
 
-    from step_timeline import phase_seconds, profile_steps, summarize
+    from step_timeline import phase_seconds, profile_steps, summarize, wrapped
 
     lines: list[str] = []
-    saved_adaptive, limit = driver.adaptive, driver._limit
+    saved_adaptive = driver.adaptive
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     work = Path(tempfile.mkdtemp(prefix="timeline_"))
     skip, steps = min(skip, new_tokens // 4), min(steps, new_tokens // 4)  # all steady ones
@@ -613,13 +613,14 @@ def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
         replay.acceptance = 0.5
         for cap in caps:
             engine.speculation = driver if cap else None
-            driver._limit = lambda s, b, _cap=cap: min(_cap, limit(s, b))
-            add_and_skip(engine, prompts, params, f"timeline{cap}", skip)
-            trace = work / f"timeline_cap{cap}.json"
-            walls = profile_steps(engine, steps, trace)
-            phases = phase_seconds(engine, steps)
-            while engine.has_unfinished_requests():
-                engine.step()
+            capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
+            with wrapped(driver, "_limit", capped):
+                add_and_skip(engine, prompts, params, f"timeline{cap}", skip)
+                trace = work / f"timeline_cap{cap}.json"
+                walls = profile_steps(engine, steps, trace)
+                phases = phase_seconds(engine, steps)
+                while engine.has_unfinished_requests():
+                    engine.step()
             title = "plain" if cap == 0 else f"fixed cap {cap}, replay a = 0.5"
             lines += summarize(trace, f"batch {len(prompts)}, {title}", walls)
             lines += [f"the next {steps} steps, no profiler (inclusive ms/step): " + ", ".join(
@@ -630,7 +631,6 @@ def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
                 with trace.open("rb") as src, gzip.open(out / f"{trace.name}.gz", "wb") as dst:
                     shutil.copyfileobj(src, dst)
     finally:
-        del driver._limit
         driver.adaptive = saved_adaptive
         engine.speculation = driver
         shutil.rmtree(work, ignore_errors=True)

@@ -79,7 +79,7 @@ class NgramProposer(Proposer):
                 index = self._indexes[seq.seq_id] = NgramIndex(self.n_max, self.n_min)
             tokens, n = index.match(seq.token_ids, k)
             out.append(tokens)
-            lengths.append(n if tokens else 0)
+            lengths.append(n)
         return DraftProposals(out, None, match_lengths=lengths)
 
     def free(self, seq: Sequence) -> None:
