@@ -291,3 +291,22 @@ def test_a_shrunk_batch_with_another_sequence_rebuilds(pair, monkeypatch):
     pair.step([d], [d.run(1)])  # b leaves: d, row 1 of the last step, slides to row 0
     assert extends == [False, True, False, True, True]
     assert pair.mirrored.backend.mirror.counts["compact"] == 1
+
+
+def test_a_growing_mirror_keeps_its_storage(pair):
+    """A rebuild for a context that outgrew the mirror's capacity re-views the storage the
+    mirror reserved at its first build instead of allocating (and faulting in) new memory, and
+    the steps after it still read the right context."""
+    mirror = pair.mirrored.backend.mirror
+    seqs = _seqs(pair.vocab, [60, 60])
+    pair.step(seqs, [seqs[0].run(10), seqs[1].run(7)])
+    pair.step(seqs, [s.run(1) for s in seqs])  # first decode: reserves and builds
+    first_capacity = mirror._capacity
+    storage = {key: held.k_storage.data_ptr() for key, held in mirror._buffers.items()}
+    while mirror._capacity == first_capacity:
+        pair.step(seqs, [s.run(1) for s in seqs])
+    assert mirror._capacity > first_capacity
+    assert mirror.counts["rebuild"] == 2
+    assert {key: held.k_storage.data_ptr() for key, held in mirror._buffers.items()} == storage
+    for _ in range(2):  # extends of the regrown mirror
+        pair.step(seqs, [s.run(1) for s in seqs])
