@@ -13,11 +13,13 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.adaptive import (
     BORROW_STEPS,
     EXPLORE_MIN,
+    MIN_CONTINUATION_TRIALS,
     PLAIN_EXPIRY,
     PROBE_INTERVAL,
     SEQ_MIN_GAIN,
     AdaptiveSpeculation,
     StepCosts,
+    _cost_table,
     row_value,
 )
 from specserve.spec_decode.batch_cap import (
@@ -646,3 +648,29 @@ def test_an_idle_closed_batch_looks_for_proposals_only_now_and_then():
         for _ in range(steps):
             driver.propose(scheduled, scheduled, closed=closed)
         assert len(looks) == steps, (num_seqs, closed, temperature)
+
+
+def test_cost_past_the_measured_counts_follows_the_last_measured_slope():
+    """Past the largest measured proposal count a step's cost continues the slope between the
+    two largest measured counts (a lower bound: the cost is convex in p), flat while only one
+    is measured (the step from plain decoding to the first count holds a speculative step's
+    fixed cost) and never downwards (noise)."""
+    points = [(0.0, 1.0), (32.0, 1.9), (64.0, 2.6)]
+    cost = _cost_table(points, 128, 0.0)
+    assert cost[48] == pytest.approx(2.25)  # interpolated
+    assert cost[96] == pytest.approx(2.6 + 32 * 0.7 / 32)
+    assert cost[128] == pytest.approx(4.0)
+    assert _cost_table([(0.0, 1.0), (8.0, 1.3)], 16, 0.0)[16] == pytest.approx(1.3)
+    assert _cost_table([(0.0, 1.0), (8.0, 1.3), (16.0, 1.2)], 32, 0.1)[32] == pytest.approx(1.3)
+    # A batch of 32 whose proposals are worth 0.45 tokens each does not bet 105 of them
+    # where 64 were measured at 2.6 plain steps (flat, they seemed to cost 2.6: 47 tokens
+    # more for 1.6 steps more; they cost 3.7).
+    policy = AdaptiveSpeculation(4)
+    policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    policy.costs.observe(32, 32, PLAIN_SECONDS * 1.9, after_spec=False)
+    policy.costs.observe(32, 64, PLAIN_SECONDS * 2.6, after_spec=False)
+    batch = list(range(32))
+    for seq_id in batch:
+        policy.acceptance[seq_id] = [0.45, 1.0]
+        policy.continuation_trials[seq_id] = MIN_CONTINUATION_TRIALS
+    assert sum(policy.plan(batch, [4] * 32)) <= 64

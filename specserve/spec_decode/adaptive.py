@@ -30,8 +30,9 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   batch extra query tokens are nearly free and the ratios say so; on a CPU a pass over k+1
   tokens costs 1.5-2x a decode from k = 3 and they say that; at large batches every token
   costs and speculation backs off. Unmeasured (B, p) are interpolated between measured ones;
-  past the largest measured p the last measured ratio is used, a lower bound (optimism: a
-  larger p is tried once whenever it could pay, and then it is measured). That optimism is
+  past the largest measured p the slope of the last measured segment continues, a lower bound
+  since the cost is convex in p (optimism: a larger p is tried once whenever it could pay,
+  and then it is measured). That optimism is
   bounded: a step tries at most ``EXPLORE_FACTOR`` times the largest measured p (at least
   ``EXPLORE_MIN``), so a large batch finds its cost curve in a few doubling steps instead of
   betting one step on every candidate (on a CPU at batch 32, 75 proposals cost 2.7 plain
@@ -223,9 +224,14 @@ def _cost_table(points: list[tuple[float, float]], max_p: int,
     """cost[p] for p = 0..max_p: a step with p proposals, in plain steps (t(B, p) / t(B, 0)
     from measured points, linear in between, plus the switch penalty; cost[0] = 1).
 
-    Past the largest measured p it is the last measured ratio: a lower bound (a step never gets
-    cheaper with more proposals), so a larger p is tried whenever it could pay and is measured
-    by trying it. One pass over p in plain Python (the planner reads every p up to the batch's
+    Past the largest measured p it follows the slope between the two largest measured counts
+    (flat with only one, never downwards): a lower bound, as a step's cost is convex in p
+    (extra rows are nearly free while a pass is bound by reading the weights, and cost their
+    full compute once it is not), so a larger p is tried whenever it could pay and is measured
+    by trying it. Flat (the last ratio) was too optimistic where rows cost linearly: on the CPU
+    at batch 32, with 64 proposals measured at 2.6 plain steps, steps bet 100-105 proposals on
+    chat text as if they cost as much, and they cost 3.8-4.0 (50-76 ms lost each time, ~1 % of
+    a run). One pass over p in plain Python (the planner reads every p up to the batch's
     candidates each step: a search per p cost ~0.25 ms per step at batch 32, and numpy's
     per-call overhead on arrays this small ~0.1 ms per step at batch 1, 1 % of a CPU step);
     the same arithmetic as np.interp."""
@@ -234,9 +240,13 @@ def _cost_table(points: list[tuple[float, float]], max_p: int,
     last = len(xs) - 1
     table = [1.0]
     i = 0
+    # slope of the last segment between two measured counts ((0, 1) -> the first one also
+    # holds a speculative step's fixed cost, which is not paid again per proposal)
+    beyond = 0.0 if last < 2 else max(
+        (ys[last] - ys[last - 1]) / (xs[last] - xs[last - 1]), 0.0)
     for p in range(1, max_p + 1):
         if p >= xs[last]:
-            value = ys[last]
+            value = ys[last] + beyond * (p - xs[last])
         elif p <= xs[0]:
             value = ys[0]
         else:
