@@ -43,6 +43,8 @@ import time
 import torch
 from bench_offline_cpu import USER_PROMPTS, cpu_pressure, wait_idle
 
+from specserve.engine.heap import freeze_startup_heap
+
 NEW_TOKENS = 128
 QUICK_NEW_TOKENS = 48
 BATCH1_PROMPTS = 6
@@ -251,10 +253,14 @@ def main() -> None:
     warm = plain.chat_ids("Say hello.")
     for engine in engines.values():  # allocator, thread pools, oneDNN kernels
         engine.generate([warm], 8)
+    # As the API server does once its engine is up (engine/heap.py): a full collection walks
+    # every tracked object, 177-268 ms here, and one inside a timed run would skew it.
+    frozen = freeze_startup_heap()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; up to {new_tokens} new "
           f"tokens, greedy, EOS respected; batch 1: {n1} prompts per set; batch {batch}; "
           f"transformers prompt lookup: prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}; "
-          f"models loaded in {time.perf_counter() - t_start:.0f} s")
+          f"models loaded in {time.perf_counter() - t_start:.0f} s; heap frozen: {frozen} "
+          "objects")
     pressure = cpu_pressure()
     summary = {}
     for title, prompts in sets.items():
