@@ -64,9 +64,11 @@ class _LayerBuffers:
     (the batch's context outgrowing the capacity, every HEADROOM_BLOCKS blocks) made the
     rebuild fault in every page again. At batch 32 with SmolLM2 (30 layers, ~280 MB of
     mirror) such a rebuild took 400-440 ms in some runs, ten decode steps, against ~45 ms
-    when the memory was already mapped. The storage is zero-filled when it is reserved (the
-    engine's first decode step), as the paged cache is when it is allocated, so that no
-    later step pays for first touches."""
+    when the memory was already mapped. The storage is not filled when it is reserved: each
+    page is faulted in once, by the first rebuild that reaches it, so a process that only
+    ever decodes short contexts at small batches never maps the rest (zero-filling all of
+    it, 512 MB by default, cost a one-prompt `specserve generate` ~0.2 s and every process
+    that much memory)."""
 
     k_storage: torch.Tensor  # [reserved elements]
     v_storage: torch.Tensor
@@ -291,8 +293,8 @@ class ContextMirror:
                     or held.k.dtype != k_cache.dtype):
                 budget = int(MAX_MIRROR_FRACTION * k_cache.shape[0] * k_cache.shape[1])
                 reserve = max(count, budget * k_cache.shape[2] * k_cache.shape[3])
-                held = self._buffers[key] = _LayerBuffers(  # touched now, once (see above)
-                    k_cache.new_zeros(reserve), k_cache.new_zeros(reserve),
+                held = self._buffers[key] = _LayerBuffers(  # mapped as used (see above)
+                    k_cache.new_empty(reserve), k_cache.new_empty(reserve),
                     k_cache.new_empty(0), k_cache.new_empty(0), step.version)
             if held.k.shape[1:] != shape or held.k.shape[0] < step.rows:
                 held.shape_as(full)
