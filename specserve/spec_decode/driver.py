@@ -183,7 +183,9 @@ class SpeculationDriver:
         for (i, _), tokens, k in zip(decoding, out.token_ids, ks, strict=True):
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
         pending = None
-        if out.device_tokens is not None:
+        if out.device_tokens is not None and len(decoding) == len(sampled):
+            pending = out.device_tokens  # every sampled row decodes, in order: [S, K] as is
+        elif out.device_tokens is not None:
             pending = out.device_tokens.new_zeros(len(sampled), out.device_tokens.shape[1])
             pending[to_device([i for i, _ in decoding], torch.int64,
                               pending.device)] = out.device_tokens
