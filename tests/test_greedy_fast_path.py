@@ -149,3 +149,16 @@ def test_replay_proposer_replays_on_the_greedy_draft_path(tiny_llama, tiny_llama
     got = llm.generate(test_prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert got == plain.outputs[0].token_ids
     assert replay.num_accepted > 0 and replay.per_token_acceptance == 1.0
+
+
+def test_scatter_rows_places_a_subset_and_passes_a_full_batch_through():
+    """A draft's per-proposing-sequence tensors become per-batch-row ones: a subset of rows is
+    scattered into zeros; every row in order is the tensor itself (no device work)."""
+    from specserve.worker.transfer import scatter_rows
+
+    values = torch.tensor([[5, 6], [7, 8]])  # [A=2, K=2]
+    placed = scatter_rows(values, [1, 3], 4)
+    assert placed.tolist() == [[0, 0], [5, 6], [0, 0], [7, 8]]
+    assert scatter_rows(values, [0, 1], 2) is values
+    probs = torch.rand(1, 2, 5)  # [A=1, K, V]
+    assert torch.equal(scatter_rows(probs, [2], 3)[2], probs[0])

@@ -29,7 +29,7 @@ from specserve.sample.sampler import probs_from_final_logits, sample
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.verifier import is_plain_greedy
 from specserve.worker.model_runner import ModelRunner, SequenceRun
-from specserve.worker.transfer import to_device
+from specserve.worker.transfer import scatter_rows
 
 
 class DraftModelProposer(Proposer):
@@ -172,13 +172,9 @@ class DraftModelProposer(Proposer):
         tokens = self._device_tokens(seqs, active, torch.cat(steps).T)  # [A, k_max]
         for i in active:
             self.shadows[seqs[i].seq_id].num_computed_tokens = seqs[i].num_tokens + k_max - 1
-        if len(active) == len(seqs):  # the usual case: every row proposes, in order
-            device_tokens = tokens  # [S, k_max] (three small device ops fewer per step)
-        else:
-            device_tokens = tokens.new_zeros(len(seqs), k_max)  # [S, k_max]
-            device_tokens[to_device(active, torch.int64, tokens.device)] = tokens
         placeholders = [[0] * k for k in ks]
-        return DraftProposals(placeholders, None, catch_up, device_tokens)
+        return DraftProposals(placeholders, None, catch_up,
+                              scatter_rows(tokens, active, len(seqs)))  # [S, k_max]
 
     def _device_tokens(self, seqs: list[Sequence], active: list[int],
                        tokens: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.metrics import SpecDecodeMetrics
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
-from specserve.worker.transfer import to_device
+from specserve.worker.transfer import scatter_rows
 
 CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a typical step
 # A closed draft-free batch of at least IDLE_MIN_BATCH sequences that chose no proposal in
@@ -175,20 +175,12 @@ class SpeculationDriver:
             if not any(ks):
                 return proposals, None, None
         out = self.proposer.propose(seqs, ks, on_device)
-        draft_probs = None
-        if out.probs is not None:
-            draft_probs = out.probs.new_zeros(len(sampled), *out.probs.shape[1:])
-            index = torch.tensor([i for i, _ in decoding], device=out.probs.device)
-            draft_probs[index] = out.probs
+        rows = [i for i, _ in decoding]  # of sampled, increasing
+        draft_probs = None if out.probs is None else scatter_rows(out.probs, rows, len(sampled))
         for (i, _), tokens, k in zip(decoding, out.token_ids, ks, strict=True):
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
-        pending = None
-        if out.device_tokens is not None and len(decoding) == len(sampled):
-            pending = out.device_tokens  # every sampled row decodes, in order: [S, K] as is
-        elif out.device_tokens is not None:
-            pending = out.device_tokens.new_zeros(len(sampled), out.device_tokens.shape[1])
-            pending[to_device([i for i, _ in decoding], torch.int64,
-                              pending.device)] = out.device_tokens
+        pending = (None if out.device_tokens is None
+                   else scatter_rows(out.device_tokens, rows, len(sampled)))  # [S, K]
         if self._step is not None:
             self._step.num_proposals = sum(len(p) for p in proposals)
             if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):

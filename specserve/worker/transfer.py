@@ -22,3 +22,14 @@ def to_device(data: Sequence | torch.Tensor, dtype: torch.dtype,
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def scatter_rows(values: torch.Tensor, rows: Sequence[int], total: int) -> torch.Tensor:
+    """values [A, ...] as rows `rows` (increasing) of a zero tensor [total, ...] on its device.
+    When the rows are all of 0 .. total - 1 that is values itself: no device work (a draft
+    model's proposals for a batch in which every sequence proposes, the usual case)."""
+    if len(rows) == total:  # increasing indices below total: exactly 0 .. total - 1
+        return values
+    out = values.new_zeros(total, *values.shape[1:])
+    out[to_device(rows, torch.int64, values.device)] = values
+    return out
