@@ -35,7 +35,8 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   and then it is measured). That optimism is bounded: a step tries at most
   ``EXPLORE_FACTOR`` times the largest measured p (at least ``EXPLORE_MIN``), so a large
   batch finds its cost curve in a few doubling steps instead of betting one step on every
-  candidate (on a CPU at batch 32, 75 proposals cost 2.7 plain steps). Samples expire, so the estimates follow the machine's load.
+  candidate (on a CPU at batch 32, 75 proposals cost 2.7 plain steps). Samples expire, so
+  the estimates follow the machine's load.
 * **Draft models** (plan-first proposers, whose declined proposals cannot be scored for free and
   whose cost is mostly a fixed price per step) do not choose proposal by proposal: the batch
   runs a cap on k chosen by measured speedup (batch_cap.py), and each sequence proposes
