@@ -12,6 +12,7 @@ import pytest
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.adaptive import (
     BORROW_STEPS,
+    CLOSED_EXPLORE_TOKENS,
     EXPLORE_MIN,
     MIN_CONTINUATION_TRIALS,
     PLAIN_EXPIRY,
@@ -24,6 +25,7 @@ from specserve.spec_decode.adaptive import (
 )
 from specserve.spec_decode.batch_cap import (
     CAP_EXPIRY,
+    MAX_UNLEARNED_BATCHES,
     TRIES_PER_CAP,
     CapCosts,
     batch_bucket,
@@ -604,6 +606,75 @@ def test_a_new_closed_batch_runs_cap_1_once_to_learn_its_own_acceptance():
         policy.record(seq_id, 1, 1 if seq_id % 10 < 7 else 0)  # first proposals: 0.7
     policy.plan(new_batch, [4] * 32, **closed)
     assert policy.last_cap >= 1
+
+
+
+def test_a_learning_step_does_not_switch_speculation_on():
+    """The learning step (cap 1 once, plain decoding being best) is a measurement: the next
+    step must still beat plain decoding by SWITCH_MARGIN to speculate. When it counted as on,
+    a batch at break-even (cap 1 worth 1.0x) stayed on and explored larger caps: 0.82-0.96x
+    at acceptance 0.5, batch 32, on the H200."""
+    caps = CapCosts()
+    for _ in range(TRIES_PER_CAP):
+        caps.observe(0, 32, 1, PLAIN_SECONDS * 1.4, PLAIN_SECONDS)
+    break_even = [1.0, 1.4]  # cap 1: 1.4 tokens for 1.4 plain steps
+    assert caps.choose(0, 32, break_even, explore_from_plain=False, learn=True) == 1
+    assert caps.choose(1, 32, break_even, explore_from_plain=False) == 0
+    paying = [1.0, 1.6]  # 1.14x: worth switching on
+    assert caps.choose(2, 32, paying, explore_from_plain=False, learn=True) == 1
+    assert caps.choose(3, 32, paying, explore_from_plain=False) == 1
+
+
+def test_closed_batches_back_off_from_learning_that_does_not_pay():
+    """Each learning step after which a closed batch settles on plain decoding doubles the
+    number of new batches that start without one (1, then MAX_UNLEARNED_BATCHES = 3): on a
+    steady workload where speculation does not pay (acceptance 0.5 on the H200 at batch 32;
+    0.3 here) every batch paid 2.4-3.4 % to learn what the last one learned. A batch that
+    settles speculating resets the backoff, so a shift to text that accepts well is found
+    within four batches and then kept."""
+    def cost(cap: int) -> float:
+        return 1.12 + 0.24 * cap if cap else 1.0
+
+    policy, _ = _draft_policy(0.5, cost)
+    first_ids = iter(range(100, 10_000, 100))
+    rng = np.random.default_rng(0)
+    last_spec = [False]
+
+    def closed_batch(acceptance: float) -> tuple[bool, int]:
+        """(whether the young batch ran a cap, the cap it settled on)"""
+        batch = list(range(next(first_ids), 0, -1))[:32]
+        young_cap = False
+        for generated in (*range(1, CLOSED_EXPLORE_TOKENS + 1), 12):
+            policy.plan(batch, [4] * 32, plan_first=True, closed=True,
+                        remaining=[128 - generated] * 32, generated=[generated] * 32)
+            if generated == 1:  # a batch that skips learning is settled from its start
+                assert policy.settled_plain == (policy.learning.learning is False
+                                                and policy.last_cap == 0)
+            if generated <= CLOSED_EXPLORE_TOKENS:
+                young_cap |= policy.last_cap > 0
+            seconds = PLAIN_SECONDS * cost(policy.last_cap)  # the step's time teaches the costs
+            policy.costs.observe(32, 32 * policy.last_cap, seconds, after_spec=last_spec[0])
+            if policy.last_cap:
+                policy.caps.observe(policy.costs.step, 32, policy.last_cap, seconds, PLAIN_SECONDS)
+            last_spec[0] = policy.last_cap > 0
+            if policy.last_cap:
+                for seq_id in batch:  # the accepted prefix of last_cap proposals
+                    hits = rng.random(policy.last_cap) < acceptance
+                    policy.record(seq_id, policy.last_cap, int(np.cumprod(hits).sum()))
+        return young_cap, policy.last_cap
+
+    learned = [closed_batch(0.3) for _ in range(7)]
+    assert learned == [(True, 0), (False, 0), (True, 0), (False, 0), (False, 0), (False, 0),
+                       (True, 0)]
+    assert MAX_UNLEARNED_BATCHES == 3
+    shifted = [closed_batch(0.8) for _ in range(6)]
+    # three batches start plainly (the backoff), the fourth learns; one learning step moves
+    # the sequences' averages only part of the way from the engine's 0.3, so the next batch
+    # learns again (the engine-wide average moved), settles speculating, and resets the
+    # backoff; from then on every batch speculates from its start
+    assert [young for young, _ in shifted[:4]] == [False, False, False, True]
+    assert [cap > 0 for _, cap in shifted[-2:]] == [True, True]
+    assert shifted[-1][0] and (policy.learning.fruitless, policy.learning.skip_left) == (0, 0)
 
 
 def _idle_batch(num_seqs: int, temperature: float = 0.0):

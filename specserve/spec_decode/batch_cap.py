@@ -52,6 +52,7 @@ CAP_EXPIRY = 200  # steps after which a cap's speedup sample is dropped
 CAP_SAMPLES = 8  # kept per (batch bucket, cap)
 TRIES_PER_CAP = 2  # measured steps before a neighbour of the best cap is judged
 MAX_BORROW_BUCKETS = 8  # a bucket borrows measurements from at most this many buckets up
+MAX_UNLEARNED_BATCHES = 3  # new closed batches in a row that may skip learning (see below)
 
 
 @functools.cache
@@ -85,6 +86,48 @@ def makespan_stretch(mean: float, variance: float, remaining: list[int]) -> floa
 def batch_bucket(batch_size: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, 9-16, ... share measurements."""
     return max(batch_size - 1, 0).bit_length()
+
+
+@dataclass
+class LearningBackoff:
+    """Whether a new closed batch spends a step learning its own acceptance (CapCosts.choose's
+    learn: one cap-1 step in which the draft prefills every prompt) when the engine's past says
+    plain decoding.
+
+    Why a backoff: on a steady workload whose acceptance does not pay, every batch paid for
+    learning what the last one had learned. At batch 32 on the H200 at acceptance 0.5 the
+    learning step (the draft's prefill of 4111 prompt tokens, 24.5 ms against a 5.6 ms plain
+    step) and the caps tried after it cost 2.4-3.4 % of each batch, the whole of the 0.94-0.96x
+    measured there. So each learning after which the batch settled on plain decoding doubles the
+    number of new closed batches that start without learning (1, 3, then at most
+    MAX_UNLEARNED_BATCHES), and a batch that settles speculating resets it: a shift to text that
+    accepts well is found within MAX_UNLEARNED_BATCHES + 1 batches, and a batch whose engine-wide
+    acceptance already says speculate needs no learning at all. A batch is known by its
+    sequences (ids are never reused), so every young step of it gets the same answer."""
+
+    fruitless: int = 0  # learnings in a row after which the batch settled on plain decoding
+    skip_left: int = 0  # new closed batches still to start without learning
+    batch: set[int] = field(default_factory=set)  # the sequences of the last new closed batch
+    learning: bool = False  # ... which learns
+    pending: bool = False  # ... and has not settled yet
+
+    def learns(self, seq_ids: list[int]) -> bool:
+        """Whether the young closed batch of these (unverified) sequences may learn."""
+        if self.batch.isdisjoint(seq_ids):  # a new batch
+            self.batch = set(seq_ids)
+            self.learning = self.skip_left == 0
+            self.skip_left = max(self.skip_left - 1, 0)
+            self.pending = self.learning
+        return self.learning
+
+    def settled(self, cap: int) -> None:
+        """A closed batch past its start chose `cap` (0: plain decoding) on its own evidence."""
+        if cap > 0:
+            self.fruitless = self.skip_left = 0
+        elif self.pending:
+            self.fruitless += 1
+            self.skip_left = min(2 ** self.fruitless - 1, MAX_UNLEARNED_BATCHES)
+        self.pending = False
 
 
 @dataclass
@@ -188,10 +231,15 @@ class CapCosts:
 
         best = max(speedups, key=score)
         if best == 0 and learn and current == 0:
-            choice = 1  # the cheapest step that verifies every sequence's first proposal
-        else:
-            choice = (self._explore(step, batch_size, best, expected)
-                      if best or explore_from_plain else 0)
+            # The cheapest step that verifies every sequence's first proposal. A measurement,
+            # not a switch: speculation stays off (current), so turning it on after this step
+            # must still win by SWITCH_MARGIN. (When the learning step counted as on, a batch
+            # at break-even stayed on: at acceptance 0.5 on the H200, batch 32, cap 1 priced
+            # at 0.99-1.0x kept running, caps 2-4 were explored, and those batches ran
+            # 0.82-0.96x plain decoding.)
+            return 1
+        choice = (self._explore(step, batch_size, best, expected)
+                  if best or explore_from_plain else 0)
         self.current[bucket] = choice
         return choice
 
