@@ -621,36 +621,48 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
     return lines
 
 
-def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
-             out: Path | None, caps=(0, 1, 2), skip: int = 20, steps: int = 12) -> list[str]:
+def timeline(engine, driver, replay, adaptive, prompts: list[list[int]], new_tokens: int,
+             out: Path | None, caps=(0, "settled", 1, 2), skip: int = 20,
+             steps: int = 12) -> list[str]:
     """Where batch-32 steps spend wall time the GPU does not cover (step_timeline.py): plain
-    decoding and fixed caps of replayed proposals at a = 0.5, `steps` steady-state steps each
-    under torch.profiler, phases labelled; a table per run of host and GPU-idle time per
-    phase. The traces are kept gzipped under OUT."""
+    decoding, the speculative engine on a batch that settled on plain decoding (its policy
+    on, learning skipped: what a batch that does not speculate costs there), and fixed caps
+    of replayed proposals at a = 0.5, `steps` steady-state steps each under torch.profiler,
+    phases labelled; a table per run of host and GPU-idle time per phase. The traces are kept
+    gzipped under OUT."""
     import gzip
     import shutil
 
     from step_timeline import phase_seconds, profile_steps, summarize, wrapped
 
     lines: list[str] = []
-    saved_adaptive = driver.adaptive
+    saved_adaptive, saved_acceptance = driver.adaptive, list(adaptive.global_acceptance)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     work = Path(tempfile.mkdtemp(prefix="timeline_"))
     skip, steps = min(skip, new_tokens // 4), min(steps, new_tokens // 4)  # all steady ones
     try:
-        driver.adaptive = None
         replay.acceptance = 0.5
         for cap in caps:
+            settled = cap == "settled"
+            driver.adaptive = adaptive if settled else None
+            if settled:  # this batch starts without learning, on an engine-wide 0.2
+                adaptive.learning.skip_left = 1
+                adaptive.global_acceptance[:] = [0.2, 0.2]
             engine.speculation = driver if cap else None
-            capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
+            capped = (lambda limit: limit) if settled else (
+                lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b)))  # noqa: E731
             with wrapped(driver, "_limit", capped):
                 add_and_skip(engine, prompts, params, f"timeline{cap}", skip)
+                if settled:
+                    lines.append(f"settled batch: last cap {adaptive.last_cap}, "
+                                 f"fast path {driver._settled_newest is not None}")
                 trace = work / f"timeline_cap{cap}.json"
                 walls = profile_steps(engine, steps, trace)
                 phases = phase_seconds(engine, steps)
                 while engine.has_unfinished_requests():
                     engine.step()
-            title = "plain" if cap == 0 else f"fixed cap {cap}, replay a = 0.5"
+            title = ("plain" if cap == 0 else "speculative engine, settled on plain decoding"
+                     if settled else f"fixed cap {cap}, replay a = 0.5")
             lines += summarize(trace, f"batch {len(prompts)}, {title}", walls)
             lines += [f"the next {steps} steps, no profiler (inclusive ms/step): " + ", ".join(
                 f"{label} {1e3 * t:.3f}" for label, t in sorted(phases.items(),
@@ -661,6 +673,7 @@ def timeline(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
                     shutil.copyfileobj(src, dst)
     finally:
         driver.adaptive = saved_adaptive
+        adaptive.global_acceptance[:] = saved_acceptance
         engine.speculation = driver
         shutil.rmtree(work, ignore_errors=True)
     return lines
@@ -799,7 +812,8 @@ def main() -> int:
                          "adaptive run at a = 0.5 (host time per function)")
     ap.add_argument("--timeline", action="store_true",
                     help="after section 4: torch.profiler timelines of steady batch-32 steps "
-                         "(plain, fixed caps 1 and 2 at a = 0.5): host and GPU-idle time per "
+                         "(plain, a settled speculative batch, fixed caps 1 and 2 at a = 0.5): "
+                         "host and GPU-idle time per "
                          "engine phase (step_timeline.py)")
     ap.add_argument("--steps-log", action="store_true",
                     help="write every engine step of section 4's runs to OUT/steps.jsonl "
@@ -1132,7 +1146,8 @@ def main() -> int:
             spec["profile_steady"] = profile_steady_steps(engine, b32, new32, args.out)
         if args.timeline:
             say("\n== 4f. where batch-32 steps leave the GPU idle (per engine phase)")
-            spec["timeline"] = timeline(engine, driver, replay, b32, new32, args.out)
+            spec["timeline"] = timeline(engine, driver, replay, adaptive, b32, new32,
+                                      args.out)
             for line in spec["timeline"]:
                 say(line)
         if args.catch_up_sweep:

@@ -65,6 +65,9 @@ def engine_phases(engine) -> list[tuple[object, str, str]]:
               (engine, "_verify_on_device", "verify"),
               (engine.block_manager, "rollback", "block_manager"),
               (engine.block_manager, "register_computed_blocks", "block_manager")]
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:  # inside the target's forward: its inputs' staging and send
+        phases.append((graphs.buffers, "fill", "target.inputs"))
     spec = engine.speculation
     if spec is not None:
         phases += [(spec, "propose", "spec.propose"), (spec, "observe_step", "spec.observe"),
