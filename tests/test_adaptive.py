@@ -667,14 +667,33 @@ def test_closed_batches_back_off_from_learning_that_does_not_pay():
     assert learned == [(True, 0), (False, 0), (True, 0), (False, 0), (False, 0), (False, 0),
                        (True, 0)]
     assert MAX_UNLEARNED_BATCHES == 3
-    shifted = [closed_batch(0.8) for _ in range(6)]
-    # three batches start plainly (the backoff), the fourth learns; one learning step moves
-    # the sequences' averages only part of the way from the engine's 0.3, so the next batch
-    # learns again (the engine-wide average moved), settles speculating, and resets the
-    # backoff; from then on every batch speculates from its start
-    assert [young for young, _ in shifted[:4]] == [False, False, False, True]
-    assert [cap > 0 for _, cap in shifted[-2:]] == [True, True]
-    assert shifted[-1][0] and (policy.learning.fruitless, policy.learning.skip_left) == (0, 0)
+    shifted = [closed_batch(0.8) for _ in range(4)]
+    # three batches start plainly (the backoff); the fourth learns, its sequences take the
+    # batch's learned rate (not 30 % of the way from the engine's 0.3), it settles
+    # speculating and resets the backoff
+    assert [young for young, _ in shifted] == [False, False, False, True]
+    assert shifted[-1][1] > 0
+    assert (policy.learning.fruitless, policy.learning.skip_left) == (0, 0)
+    assert closed_batch(0.8)[0]  # the next batch speculates from its start
+
+
+def test_a_learning_step_gives_the_batch_its_own_mean_rate():
+    """After a closed batch's learning step every sequence's first-proposal rate is the
+    batch's mean outcome: one verification would move it only EMA_WEIGHT of the way from the
+    previous batches' rate."""
+    policy, _ = _draft_policy(0.5, lambda cap: 1.12 + 0.24 * cap)
+    policy.global_acceptance[:] = [0.3, 0.3]
+    batch = list(range(100, 132))
+    closed = dict(plan_first=True, closed=True, remaining=[127] * 32, generated=[1] * 32)
+    policy.plan(batch, [4] * 32, **closed)
+    assert policy.last_cap == 1 and policy.learning.pending
+    for seq_id in batch:  # 24 of 32 first proposals accepted
+        policy.record(seq_id, 1, int(seq_id % 4 != 0))
+    policy.plan(batch, [4] * 32, **closed)
+    assert {policy.acceptance[s][0] for s in batch} == {0.75}
+    assert policy.last_cap >= 1
+    policy.record(batch[0], 1, 0)  # later verifications go on from there
+    assert policy.acceptance[batch[0]][0] == pytest.approx(0.75 * 0.7)
 
 
 def _idle_batch(num_seqs: int, temperature: float = 0.0):

@@ -110,6 +110,7 @@ class LearningBackoff:
     batch: set[int] = field(default_factory=set)  # the sequences of the last new closed batch
     learning: bool = False  # ... which learns
     pending: bool = False  # ... and has not settled yet
+    pooled: bool = False  # ... and its sequences were given the batch's learned rate
 
     def learns(self, seq_ids: list[int]) -> bool:
         """Whether the young closed batch of these (unverified) sequences may learn."""
@@ -118,6 +119,7 @@ class LearningBackoff:
             self.learning = self.skip_left == 0
             self.skip_left = max(self.skip_left - 1, 0)
             self.pending = self.learning
+            self.pooled = False
         return self.learning
 
     def settled(self, cap: int) -> None:
