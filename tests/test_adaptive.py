@@ -625,6 +625,23 @@ def test_a_learning_step_does_not_switch_speculation_on():
     assert caps.choose(3, 32, paying, explore_from_plain=False) == 1
 
 
+def test_a_new_closed_batch_does_not_inherit_the_last_batchs_speculation():
+    """A new batch's draft prefills every prompt whether or not the last batch ended
+    speculating, so it is priced as from plain decoding: at break-even it learns and stops,
+    instead of staying on by the switching margin (H200, batch 32, acceptance 0.5: caps 1-2
+    for 17-30 steps at 0.92-0.95x plain decoding)."""
+    policy, _ = _draft_policy(0.5, lambda cap: 1.12 + 0.24 * cap)
+    policy.caps.current[batch_bucket(32)] = 1  # the last batch ended speculating
+    batch = list(range(100, 132))
+    closed = dict(plan_first=True, closed=True, remaining=[127] * 32, generated=[1] * 32)
+    policy.plan(batch, [4] * 32, **closed)
+    assert policy.last_cap == 1  # the learning step
+    for seq_id in batch:
+        policy.record(seq_id, 1, seq_id % 2)  # 0.5
+    policy.plan(batch, [4] * 32, **closed)
+    assert policy.last_cap == 0
+
+
 def test_closed_batches_back_off_from_learning_that_does_not_pay():
     """Each learning step after which a closed batch settles on plain decoding doubles the
     number of new batches that start without one (1, then MAX_UNLEARNED_BATCHES = 3): on a

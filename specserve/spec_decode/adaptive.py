@@ -470,8 +470,6 @@ class AdaptiveSpeculation:
             left = [remaining[i] for i in unpinned]
             expected = expected / np.array([makespan_stretch(e, v, left)
                                             for e, v in zip(expected, variance, strict=True)])
-        if remaining is not None and lag and self.caps.current.get(bucket, 0) == 0:
-            expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         settled = generated is not None and self.caps.ever_measured(n) and (
             sum(generated) > CLOSED_EXPLORE_TOKENS * len(generated))
         # A closed batch none of whose sequences was verified yet knows nothing of its own
@@ -479,8 +477,17 @@ class AdaptiveSpeculation:
         # a sequence its continuation_trials entry at its first verified run.)
         unverified = generated is not None and not settled and not any(
             seq_ids[i] in self.continuation_trials for i in unpinned)
-        # ... and it may skip learning (batch_cap.LearningBackoff): then it tries no cap from
-        # plain decoding either, which would cost the same draft prefill
+        if unverified:
+            # ... and nothing to stay on with: the last batch may have ended speculating, but
+            # this one's draft prefills every prompt either way, so turning speculation on is
+            # priced (catch-up, SWITCH_MARGIN) as from plain decoding. (Carried over, a batch
+            # at acceptance 0.5 after one that ended on ran caps 1-2 for 17-30 steps at
+            # 0.92-0.95x plain decoding, H200, batch 32.)
+            self.caps.current[bucket] = 0
+        if remaining is not None and lag and self.caps.current.get(bucket, 0) == 0:
+            expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
+        # An unverified batch may skip learning (batch_cap.LearningBackoff): then it tries no
+        # cap from plain decoding either, which would cost the same draft prefill
         learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned])
         cap = self.last_cap = self.caps.choose(
             self.costs.step, n, expected.tolist(),
