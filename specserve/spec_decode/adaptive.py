@@ -391,7 +391,7 @@ class AdaptiveSpeculation:
         engine-wide prior (the previous batches' text), so a batch learned ~30 % of its own
         acceptance: on the H200 at batch 32, text at 0.7 after batches at 0.5 looked like
         0.56 and decoded plainly. The batch's 32 outcomes together measure its rate to
-        about +-0.08; each sequence's own average then goes on from there."""
+        about +-0.09; each sequence's own average then goes on from there."""
         learning = self.learning
         if not learning.pending or learning.pooled or learning.batch.isdisjoint(seq_ids):
             return

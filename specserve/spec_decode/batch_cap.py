@@ -97,8 +97,8 @@ class LearningBackoff:
     Why a backoff: on a steady workload whose acceptance does not pay, every batch paid for
     learning what the last one had learned. At batch 32 on the H200 at acceptance 0.5 the
     learning step (the draft's prefill of 4111 prompt tokens, 24.5 ms against a 5.6 ms plain
-    step) and the caps tried after it cost 2.4-3.4 % of each batch, the whole of the 0.94-0.96x
-    measured there. So each learning after which the batch settled on plain decoding doubles the
+    step) and the caps tried after it cost 2.4-3.4 % of each batch, most of the 4-6 % lost there
+    (0.94-0.96x). So each learning after which the batch settled on plain decoding doubles the
     number of new closed batches that start without learning (1, 3, then at most
     MAX_UNLEARNED_BATCHES), and a batch that settles speculating resets it: a shift to text that
     accepts well is found within MAX_UNLEARNED_BATCHES + 1 batches, and a batch whose engine-wide
