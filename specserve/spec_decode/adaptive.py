@@ -489,15 +489,15 @@ class AdaptiveSpeculation:
         # An unverified batch may skip learning (batch_cap.LearningBackoff): then it tries no
         # cap from plain decoding either, which would cost the same draft prefill
         learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned])
+        skipped = unverified and not learn
         cap = self.last_cap = self.caps.choose(
             self.costs.step, n, expected.tolist(),
-            explore_from_plain=not settled and learn == unverified, learn=learn)
+            explore_from_plain=not settled and not skipped, learn=learn)
         if settled:
             self.learning.settled(cap)
         # A batch that skipped learning and decodes plainly is settled from its start: no
         # verification will change its acceptance, and it tries no cap (so the driver stops
         # planning for it: at batch 32 planning a young batch cost ~0.5 ms a step on the CPU)
-        skipped = unverified and not learn
         self.settled_plain = (settled or skipped) and cap == 0
         for i, k in zip(unpinned, own.tolist(), strict=True):
             ks[i] = min(cap, k)
