@@ -78,7 +78,10 @@ K_SPEC = 4
 MULTI_STEPS = 16  # num_scheduler_steps of the multi-step rows (16: bench_gpu_decode_b1, session 6)
 ACCEPTANCES = (0.5, 0.7, 0.9)
 STALL_SECONDS = 0.1  # an engine step this slow is a one-time compile, not the policy's doing
-B32_PAIRS = 5  # batch-32 adaptive: plain / speculative run pairs per acceptance, interleaved
+# batch-32 adaptive: plain / speculative run pairs per acceptance, interleaved. Nine since
+# session 17: two plain runs of one engine paired the same way (--settled-ab's A/A
+# control) ranged 0.94-1.07, so a median of five moved by ~2 % between runs.
+B32_PAIRS = 9
 LOG: list[str] = []
 FULL_COLLECTIONS: list[float] = []  # seconds of every full (generation-2) garbage collection
 GC_IN_RUNS: dict[str, tuple[int, float]] = {}  # run label -> full collections in its timing
@@ -679,6 +682,83 @@ def timeline(engine, driver, replay, adaptive, prompts: list[list[int]], new_tok
     return lines
 
 
+def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_tokens: int,
+               reps: int = 6) -> list[str]:
+    """Does a batch that never speculates cost more in the speculative engine than with
+    speculation off? Three arms in one engine, `reps` rounds in rotating order: plain decoding
+    twice (A and B: the pair method's own noise, an A/A control) and the driver on a batch
+    settled on plain decoding from its first step (learning skipped, engine-wide acceptance
+    0.2). Each run's phases are timed without the profiler (step_timeline.phase timers over
+    the whole run), so a gap, if any, shows where it lands."""
+    from collections import defaultdict
+    from contextlib import ExitStack
+
+    from step_timeline import engine_phases, wrapped
+
+    engine = llm.llm_engine
+    saved_acceptance = list(adaptive.global_acceptance)
+    saved_adaptive = driver.adaptive
+    driver.adaptive = adaptive  # the policy on (a run without it may have come last)
+    replay.acceptance = 0.5
+    arms = ("plain A", "plain B", "settled")
+    rates: dict[str, list[float]] = {a: [] for a in arms}
+    phases: dict[str, dict[str, float]] = {a: defaultdict(float) for a in arms}
+    spec_steps = 0
+    try:
+        for r in range(reps):
+            for arm in arms[r % 3:] + arms[: r % 3]:
+                settled = arm == "settled"
+                engine.speculation = driver if settled else None
+                if settled:
+                    adaptive.learning.skip_left = 1
+                    adaptive.global_acceptance[:] = [0.2, 0.2]
+                before = driver.metrics.total.num_spec_steps
+                totals = phases[arm]
+
+                def timer(label, totals=totals):
+                    def around(original):
+                        def run(*args, **kwargs):
+                            t0 = time.perf_counter()
+                            try:
+                                return original(*args, **kwargs)
+                            finally:
+                                totals[label] += time.perf_counter() - t0
+                        return run
+                    return around
+
+                with ExitStack() as stack:
+                    for obj, name, label in engine_phases(engine):
+                        stack.enter_context(wrapped(obj, name, timer(label)))
+                    rates[arm].append(run_engine(llm, prompts, new_tokens, f"ab-{arm}")[0])
+                spec_steps += driver.metrics.total.num_spec_steps - before
+    finally:
+        engine.speculation = driver
+        driver.adaptive = saved_adaptive
+        adaptive.global_acceptance[:] = saved_acceptance
+    a, b, s = (rates[x] for x in arms)
+    ab = sorted(y / x for x, y in zip(a, b, strict=True))
+    sa = sorted(y / x for x, y in zip(a, s, strict=True))
+    sm = sorted(2 * y / (x + z) for x, y, z in zip(a, s, b, strict=True))
+    lines = [f"{reps} rounds, rotating order, batch {len(prompts)}, {new_tokens} tokens; "
+             f"speculative steps in the settled runs: {spec_steps}",
+             "| arm | tok/s per round | median |", "|---|---|---:|"]
+    lines += [f"| {arm} | {', '.join(f'{x:.0f}' for x in rates[arm])} | "
+              f"{statistics.median(rates[arm]):.0f} |" for arm in arms]
+    lines += [f"plain B / plain A per round (A/A): {', '.join(f'{x:.3f}' for x in ab)}; "
+              f"median {statistics.median(ab):.3f}",
+              f"settled / plain A: {', '.join(f'{x:.3f}' for x in sa)}; "
+              f"median {statistics.median(sa):.3f}",
+              f"settled / mean of A and B: {', '.join(f'{x:.3f}' for x in sm)}; "
+              f"median {statistics.median(sm):.3f}",
+              "inclusive ms per run by phase (mean over rounds): | phase | " + " | ".join(arms)
+              + " |"]
+    for label in sorted({k for arm in arms for k in phases[arm]},
+                        key=lambda k: -phases["settled"].get(k, 0.0)):
+        lines.append(f"| {label} | " + " | ".join(
+            f"{1e3 * phases[arm].get(label, 0.0) / reps:.1f}" for arm in arms) + " |")
+    return lines
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -815,6 +895,10 @@ def main() -> int:
                          "(plain, a settled speculative batch, fixed caps 1 and 2 at a = 0.5): "
                          "host and GPU-idle time per "
                          "engine phase (step_timeline.py)")
+    ap.add_argument("--settled-ab", action="store_true",
+                    help="after section 4: batch-32 runs of plain decoding twice (an A/A "
+                         "control) and of a batch settled on plain decoding in the speculative "
+                         "engine, 6 rounds in rotating order, phases timed without the profiler")
     ap.add_argument("--steps-log", action="store_true",
                     help="write every engine step of section 4's runs to OUT/steps.jsonl "
                          "(time, proposals, draft catch-up tokens, cap, batch)")
@@ -1149,6 +1233,11 @@ def main() -> int:
             spec["timeline"] = timeline(engine, driver, replay, adaptive, b32, new32,
                                       args.out)
             for line in spec["timeline"]:
+                say(line)
+        if args.settled_ab:
+            say("\n== 4g. a batch that never speculates: speculative engine against plain (A/A/B)")
+            spec["settled_ab"] = settled_ab(llm, driver, adaptive, replay, b32, new32)
+            for line in spec["settled_ab"]:
                 say(line)
         if args.catch_up_sweep:
             spec["catch_up_sweep"] = catch_up_sweep(draft_runner, engine.runner, len(b32),
