@@ -805,9 +805,8 @@ def test_a_learning_batch_whose_speculation_did_not_pay_counts_as_fruitless():
         batch = list(range(next(first_ids), 0, -1))[:32]
         young_cap = False
         for generated in range(1, 25):
-            if generated == 1 or not policy.settled_plain:  # (as the driver: see propose)
-                policy.plan(batch, [4] * 32, plan_first=True, closed=True,
-                            remaining=[128 - generated] * 32, generated=[generated] * 32)
+            policy.plan(batch, [4] * 32, plan_first=True, closed=True,
+                        remaining=[128 - generated] * 32, generated=[generated] * 32)
             cap = policy.last_cap
             if generated <= CLOSED_EXPLORE_TOKENS:
                 young_cap |= cap > 0
@@ -831,12 +830,12 @@ def test_a_learning_batch_whose_speculation_did_not_pay_counts_as_fruitless():
     assert policy.learning.learning and policy.learning.trial == 0  # ... speculates, on trial
     # its steps realized less than plain decoding: fruitless after all, so the next batch
     # does not learn (it may still speculate on the engine-wide acceptance, here 0.9)
-    assert closed_batch(0.9, slowdown=1.0) == (False, 0)  # nor speculates on the prior
-    assert (policy.learning.fruitless, policy.learning.trial) == (1, None)
-    assert closed_batch(0.9, slowdown=2.5) == (True, 4)  # one skipped: this one learns
-    assert policy.learning.trial == 1
-    assert closed_batch(0.9, slowdown=1.0) == (False, 0)  # ... failed: 3 batches skip
-    assert (policy.learning.fruitless, policy.learning.skip_left) == (2, 2)
+    assert closed_batch(0.9, slowdown=1.0)[1] == 4
+    assert not policy.learning.learning and policy.learning.trial == 1  # its own trial
+    closed_batch(0.9, slowdown=2.5)  # ... passed (the backoff stays reset): this one learns
+    assert policy.learning.learning and policy.learning.trial == 0
+    closed_batch(0.9, slowdown=1.0)  # ... and failed: the next does not learn
+    assert not policy.learning.learning and policy.learning.trial == 1
 
 
 def test_the_driver_counts_each_decode_steps_tokens_and_time_for_the_batch_trial():

@@ -500,15 +500,14 @@ class AdaptiveSpeculation:
             self.caps.current[bucket] = 0
         if remaining is not None and lag and self.caps.current.get(bucket, 0) == 0:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
-        # An unverified batch may skip learning (batch_cap.LearningBackoff): then it decodes
-        # plainly. Its speculation would cost the same draft prefill, on the engine-wide
-        # acceptance of batches whose speculation did not pay (at acceptance 0.5 on the H200,
-        # batch 32, such batches ran cap 1-2 on the prior and lost 3-8 %).
+        # An unverified batch may skip learning (batch_cap.LearningBackoff): then it tries no
+        # cap from plain decoding either, which would cost the same draft prefill
         learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned],
                                                     self.costs.plain_typical)
         skipped = unverified and not learn
-        cap = self.last_cap = 0 if skipped else self.caps.choose(
-            self.costs.step, n, expected.tolist(), explore_from_plain=not settled, learn=learn)
+        cap = self.last_cap = self.caps.choose(
+            self.costs.step, n, expected.tolist(),
+            explore_from_plain=not settled and not skipped, learn=learn)
         if settled:
             self.learning.settled(cap)
         # A batch that skipped learning and decodes plainly is settled from its start: no
