@@ -84,7 +84,7 @@ BORROW_STEPS = 8  # steps a draft model's batch runs on larger batches' cap meas
 CLOSED_EXPLORE_TOKENS = 8  # a closed batch tries caps from plain decoding only this young
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
-PLAIN_TYPICAL_STEPS = 15  # plain steps per batch size kept for StepCosts.plain_typical
+PLAIN_TYPICAL_STEPS = 15  # plain steps per batch size in StepCosts.plain_typical's median
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
@@ -127,10 +127,9 @@ class StepCosts:
     after: dict[int, _Samples] = field(default_factory=dict)  # bucket -> plain-after-spec / t0
     switch_rate: float = 1.0  # how often a speculative step is followed by a plain one
     # B -> the last PLAIN_TYPICAL_STEPS plain decode steps' seconds, never expiring: their
-    # lower quartile is what a batch that speculated is judged against
-    # (batch_cap.LearningBackoff). Not plain_time: right after a batch the only unexpired
-    # sample can be the next batch's first decode step, ~2x a steady one on the H200 at
-    # batch 32 (13 against 5.9 ms), and such steps can be half of a young engine's samples.
+    # median is what a batch that speculated is judged against (batch_cap.LearningBackoff).
+    # Not plain_time: right after a batch the only unexpired sample can be the next batch's
+    # first decode step, ~2x a steady one on the H200 at batch 32.
     plain_recent: dict[int, deque] = field(default_factory=dict)
 
     # ---- observations ----------------------------------------------------------------------
@@ -172,9 +171,9 @@ class StepCosts:
 
     # ---- estimates -------------------------------------------------------------------------
     def plain_typical(self, batch_size: int) -> float | None:
-        """The lower quartile of the recent plain decode steps at exactly this batch size."""
+        """The median of the recent plain decode steps at exactly this batch size."""
         recent = self.plain_recent.get(batch_size)
-        return sorted(recent)[len(recent) // 4] if recent else None
+        return statistics.median(recent) if recent else None
 
     def plain_time(self, batch_size: int) -> float | None:
         """Seconds of a plain decode pass: measured at this batch size, else interpolated
