@@ -28,7 +28,6 @@ from specserve.spec_decode.batch_cap import (
     MAX_UNLEARNED_BATCHES,
     TRIES_PER_CAP,
     CapCosts,
-    LearningBackoff,
     batch_bucket,
     makespan_stretch,
 )
@@ -854,23 +853,3 @@ def test_the_driver_counts_each_decode_steps_tokens_and_time_for_the_batch_trial
         driver.on_plain_rows(2)
         driver.observe_step(seconds)
     assert (learning.tokens, learning.seconds) == (10, pytest.approx(0.022))
-
-
-def test_a_batch_on_trial_is_judged_against_typical_plain_steps():
-    """The last batch's realized speed is set against the median of recent plain steps, which
-    never expire: right after a speculating batch the only unexpired plain sample can be the
-    next batch's first decode step (~2x a steady one on the H200 at batch 32), against which
-    a batch 10 % slower than plain decoding passed as 1.8x faster."""
-    costs = StepCosts()
-    for _ in range(10):
-        costs.observe(32, 0, 0.005, after_spec=False)
-    costs.step += PLAIN_EXPIRY + 1
-    costs.observe(32, 0, 0.013, after_spec=False)  # a batch's first decode step
-    assert costs.plain_time(32) == 0.013 and costs.plain_typical(32) == 0.005
-    learning = LearningBackoff()
-    assert learning.learns(list(range(32)), costs.plain_typical)
-    learning.settled(1)  # speculates: on trial
-    learning.account(4064, 0.7)  # 127 tokens each in 0.7 s: plain needs 127 x 5 ms = 0.635
-    assert learning.realized_gain(costs.plain_typical(32)) == pytest.approx(0.907, abs=1e-3)
-    assert not learning.learns(list(range(100, 132)), costs.plain_typical)
-    assert learning.fruitless == 1

@@ -84,7 +84,6 @@ BORROW_STEPS = 8  # steps a draft model's batch runs on larger batches' cap meas
 CLOSED_EXPLORE_TOKENS = 8  # a closed batch tries caps from plain decoding only this young
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
 SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
-PLAIN_TYPICAL_STEPS = 15  # plain steps per batch size in StepCosts.plain_typical's median
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
@@ -126,11 +125,6 @@ class StepCosts:
     ratio: dict[tuple[int, int], _Samples] = field(default_factory=dict)  # (bucket, p) -> t/t0
     after: dict[int, _Samples] = field(default_factory=dict)  # bucket -> plain-after-spec / t0
     switch_rate: float = 1.0  # how often a speculative step is followed by a plain one
-    # B -> the last PLAIN_TYPICAL_STEPS plain decode steps' seconds, never expiring: their
-    # median is what a batch that speculated is judged against (batch_cap.LearningBackoff).
-    # Not plain_time: right after a batch the only unexpired sample can be the next batch's
-    # first decode step, ~2x a steady one on the H200 at batch 32.
-    plain_recent: dict[int, deque] = field(default_factory=dict)
 
     # ---- observations ----------------------------------------------------------------------
     def observe(self, batch_size: int, num_proposals: int, seconds: float,
@@ -139,8 +133,6 @@ class StepCosts:
         b = batch_bucket(batch_size)
         if num_proposals == 0 and not after_spec:
             self.plain.setdefault(batch_size, _Samples()).add(self.step, seconds)
-            self.plain_recent.setdefault(
-                batch_size, deque(maxlen=PLAIN_TYPICAL_STEPS)).append(seconds)
             return
         t0 = self.plain_time(batch_size)
         if t0 is None:
@@ -170,11 +162,6 @@ class StepCosts:
         self.switch_rate = 0.9 * self.switch_rate + 0.1 * float(switched_off)
 
     # ---- estimates -------------------------------------------------------------------------
-    def plain_typical(self, batch_size: int) -> float | None:
-        """The median of the recent plain decode steps at exactly this batch size."""
-        recent = self.plain_recent.get(batch_size)
-        return statistics.median(recent) if recent else None
-
     def plain_time(self, batch_size: int) -> float | None:
         """Seconds of a plain decode pass: measured at this batch size, else interpolated
         between measured neighbours no more than 1.5x away."""
@@ -502,7 +489,7 @@ class AdaptiveSpeculation:
         # An unverified batch may skip learning (batch_cap.LearningBackoff): then it tries no
         # cap from plain decoding either, which would cost the same draft prefill
         learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned],
-                                                    self.costs.plain_typical)
+                                                    self.costs.plain_time)
         skipped = unverified and not learn
         cap = self.last_cap = self.caps.choose(
             self.costs.step, n, expected.tolist(),
