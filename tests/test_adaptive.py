@@ -31,7 +31,7 @@ from specserve.spec_decode.batch_cap import (
     batch_bucket,
     makespan_stretch,
 )
-from specserve.spec_decode.driver import SpeculationDriver, _Step
+from specserve.spec_decode.driver import SpeculationDriver
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
 
@@ -781,75 +781,3 @@ def test_cost_past_the_measured_counts_follows_the_last_measured_slope():
         policy.acceptance[seq_id] = [0.45, 1.0]
         policy.continuation_trials[seq_id] = MIN_CONTINUATION_TRIALS
     assert sum(policy.plan(batch, [4] * 32)) <= 64
-
-
-def test_a_learning_batch_whose_speculation_did_not_pay_counts_as_fruitless():
-    """A closed batch that learned and settled speculating is judged when the next batch
-    arrives by what its decode steps realized: tokens per second against plain decoding's at
-    its size. One that ran slower than plain decoding would have (here each speculative step
-    takes 2.5x what the cost model priced it at) counts as a fruitless learning, so the next
-    batch starts plainly without learning; one that realized a gain resets the backoff. At
-    acceptance 0.5 on the H200 at batch 32 half the learnings went on speculating near break
-    even and lost 2-9 % each, resetting the backoff every time."""
-    def cost(cap: int) -> float:
-        return 1.12 + 0.24 * cap if cap else 1.0
-
-    policy, _ = _draft_policy(0.5, cost)
-    first_ids = iter(range(100, 10_000, 100))
-    rng = np.random.default_rng(0)
-    last_spec = [False]
-
-    def closed_batch(acceptance: float, slowdown: float) -> tuple[bool, int]:
-        """(whether the young batch ran a cap, the cap it settled on)"""
-        batch = list(range(next(first_ids), 0, -1))[:32]
-        young_cap = False
-        for generated in range(1, 25):
-            policy.plan(batch, [4] * 32, plan_first=True, closed=True,
-                        remaining=[128 - generated] * 32, generated=[generated] * 32)
-            cap = policy.last_cap
-            if generated <= CLOSED_EXPLORE_TOKENS:
-                young_cap |= cap > 0
-            seconds = PLAIN_SECONDS * cost(cap)  # what the cost model learns
-            policy.costs.observe(32, 32 * cap, seconds, after_spec=last_spec[0])
-            if cap:
-                policy.caps.observe(policy.costs.step, 32, cap, seconds, PLAIN_SECONDS)
-            last_spec[0] = cap > 0
-            tokens = 32
-            for seq_id in batch:  # the accepted prefix of `cap` proposals
-                accepted = int(np.cumprod(rng.random(cap) < acceptance).sum()) if cap else 0
-                if cap:
-                    policy.record(seq_id, cap, accepted)
-                tokens += accepted
-            # what the step really took (the driver's observe_step)
-            policy.learning.account(tokens, seconds * (slowdown if cap else 1.0))
-        return young_cap, policy.last_cap
-
-    assert closed_batch(0.9, slowdown=1.0) == (True, 4)  # learned, speculates, gains
-    assert closed_batch(0.9, slowdown=2.5)[1] == 4  # the gain reset the backoff: it learned
-    assert policy.learning.learning and policy.learning.trial == 0  # ... speculates, on trial
-    # its steps realized less than plain decoding: fruitless after all, so the next batch
-    # does not learn (it may still speculate on the engine-wide acceptance, here 0.9)
-    assert closed_batch(0.9, slowdown=1.0)[1] == 4
-    assert not policy.learning.learning and policy.learning.trial == 1  # its own trial
-    closed_batch(0.9, slowdown=2.5)  # ... passed (the backoff stays reset): this one learns
-    assert policy.learning.learning and policy.learning.trial == 0
-    closed_batch(0.9, slowdown=1.0)  # ... and failed: the next does not learn
-    assert not policy.learning.learning and policy.learning.trial == 1
-
-
-def test_the_driver_counts_each_decode_steps_tokens_and_time_for_the_batch_trial():
-    """observe_step hands the policy's learning backoff each decode step's emitted tokens
-    (verified runs and plain rows) and wall time; steps with prompt chunks are not counted."""
-    spec = SpeculativeConfig("ngram", 3, ngram_prompt_lookup_max=2)
-    driver = SpeculationDriver(spec, NgramProposer(2, 1), max_model_len=1000,
-                               spec_max_model_len=1000)
-    learning = driver.adaptive.learning
-    metrics = SimpleNamespace(num_spec_steps=0, num_draft_tokens=0, num_accepted_tokens=0,
-                              num_emitted_tokens=0)
-    for decodes_only, seconds in ((True, 0.010), (False, 0.050), (True, 0.012)):
-        driver._step = _Step(3, 3, decodes_only, decodes_only=decodes_only)
-        seq = _fake_seq(1, [5, 6, 7, 8, 5, 6])
-        driver.on_committed(seq, metrics, 4, num_proposed=3, num_accepted=2, num_committed=3)
-        driver.on_plain_rows(2)
-        driver.observe_step(seconds)
-    assert (learning.tokens, learning.seconds) == (10, pytest.approx(0.022))

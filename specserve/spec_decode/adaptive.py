@@ -488,8 +488,7 @@ class AdaptiveSpeculation:
             expected = self._charge_catch_up(n, expected, lag, max(remaining, default=0))
         # An unverified batch may skip learning (batch_cap.LearningBackoff): then it tries no
         # cap from plain decoding either, which would cost the same draft prefill
-        learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned],
-                                                    self.costs.plain_time)
+        learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned])
         skipped = unverified and not learn
         cap = self.last_cap = self.caps.choose(
             self.costs.step, n, expected.tolist(),

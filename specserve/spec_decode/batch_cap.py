@@ -41,7 +41,6 @@ prefill of every prompt; 1.09-1.11x and 1.39-1.58x at 0.7 and 0.9.)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
@@ -54,9 +53,6 @@ CAP_SAMPLES = 8  # kept per (batch bucket, cap)
 TRIES_PER_CAP = 2  # measured steps before a neighbour of the best cap is judged
 MAX_BORROW_BUCKETS = 8  # a bucket borrows measurements from at most this many buckets up
 MAX_UNLEARNED_BATCHES = 3  # new closed batches in a row that may skip learning (see below)
-# a batch that settled speculating counts as fruitless unless its steps emitted tokens at
-# least this much faster than plain decoding would have (adaptive.MIN_GAIN's 2 %)
-REALIZED_MIN_GAIN = 1.02
 
 
 @functools.cache
@@ -107,16 +103,7 @@ class LearningBackoff:
     MAX_UNLEARNED_BATCHES), and a batch that settles speculating resets it: a shift to text that
     accepts well is found within MAX_UNLEARNED_BATCHES + 1 batches, and a batch whose engine-wide
     acceptance already says speculate needs no learning at all. A batch is known by its
-    sequences (ids are never reused), so every young step of it gets the same answer.
-
-    A batch that settled speculating (after learning, or on the engine-wide acceptance) is on
-    trial until the next batch arrives: its decode steps from its first plan on (a learning
-    step, the draft's prefill and catch-ups included) must have emitted tokens at least
-    REALIZED_MIN_GAIN times as fast as plain decoding at its plain step time would have; else
-    it counts as fruitless after all. Why: a learned rate is good to ~+-0.09 with 32 outcomes, so
-    at acceptance 0.5 on the H200 at batch 32 (break-even for cap 1) half the learnings went on
-    speculating, reset the backoff and lost 2-9 % each (pairs at 0.91-0.98x), while the batches
-    that skipped learning ran at plain decoding's speed (0.996x of it in A/A/B rounds)."""
+    sequences (ids are never reused), so every young step of it gets the same answer."""
 
     fruitless: int = 0  # learnings in a row after which the batch settled on plain decoding
     skip_left: int = 0  # new closed batches still to start without learning
@@ -124,18 +111,10 @@ class LearningBackoff:
     learning: bool = False  # ... which learns
     pending: bool = False  # ... and has not settled yet
     pooled: bool = False  # ... and its sequences were given the batch's learned rate
-    trial: int | None = None  # the fruitless count a speculating settle reset, while on trial
-    tokens: int = 0  # emitted by the last new batch's decode steps from its first plan on
-    seconds: float = 0.0  # ... their wall time
 
-    def learns(self, seq_ids: list[int],
-               plain_seconds: Callable[[int], float | None] = lambda batch_size: None) -> bool:
-        """Whether the young closed batch of these (unverified) sequences may learn.
-        plain_seconds(batch size): a plain decode step's time there, None if unknown (the last
-        batch's trial is judged with it)."""
+    def learns(self, seq_ids: list[int]) -> bool:
+        """Whether the young closed batch of these (unverified) sequences may learn."""
         if self.batch.isdisjoint(seq_ids):  # a new batch
-            self._judge_trial(plain_seconds(len(self.batch)) if self.batch else None)
-            self.tokens, self.seconds = 0, 0.0
             self.batch = set(seq_ids)
             self.learning = self.skip_left == 0
             self.skip_left = max(self.skip_left - 1, 0)
@@ -146,36 +125,11 @@ class LearningBackoff:
     def settled(self, cap: int) -> None:
         """A closed batch past its start chose `cap` (0: plain decoding) on its own evidence."""
         if cap > 0:
-            if self.trial is None:
-                self.trial = self.fruitless
             self.fruitless = self.skip_left = 0
         elif self.pending:
-            self._count_fruitless(self.fruitless)
+            self.fruitless += 1
+            self.skip_left = min(2 ** self.fruitless - 1, MAX_UNLEARNED_BATCHES)
         self.pending = False
-
-    def account(self, tokens: int, seconds: float) -> None:
-        """One decode step (no prompt chunks) of the batch: tokens it emitted, its wall time,
-        counted from its first plan (a learning batch's learning step) on, for its trial."""
-        self.tokens += tokens
-        self.seconds += seconds
-
-    def realized_gain(self, plain_seconds: float | None) -> float | None:
-        """The last new batch's tokens per second since its first plan over plain
-        decoding's at the batch's starting size (None until both are known)."""
-        if plain_seconds is None or self.seconds <= 0.0 or not self.batch:
-            return None
-        return self.tokens * plain_seconds / len(self.batch) / self.seconds
-
-    def _judge_trial(self, plain_seconds: float | None) -> None:
-        if self.trial is not None:
-            gain = self.realized_gain(plain_seconds)
-            if gain is not None and gain < REALIZED_MIN_GAIN:
-                self._count_fruitless(self.trial)
-            self.trial = None
-
-    def _count_fruitless(self, before: int) -> None:
-        self.fruitless = before + 1
-        self.skip_left = min(2 ** self.fruitless - 1, MAX_UNLEARNED_BATCHES)
 
 
 @dataclass

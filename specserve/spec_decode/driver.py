@@ -36,8 +36,6 @@ class _Step:
     pure: bool  # only decode/verify runs, no prompt chunks (nor a long draft catch-up)
     cap: int | None = None  # a draft model's batch cap on k this step (batch_cap.py)
     catch_up: int = 0  # a long draft catch-up's tokens, in a step of decodes only
-    decodes_only: bool = False  # no prompt chunks (pure, or a step with a long catch-up)
-    tokens: int = 0  # emitted by the decoding sequences this step
 
 
 def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence]) -> bool:
@@ -115,8 +113,7 @@ class SpeculationDriver:
                 # clock still advances, so cap measurements still expire and a later batch
                 # tries caps again (else an engine that settled at acceptance 0.5 never
                 # learned that a later batch accepted 0.9: measured, every later run plain).
-                only = _decodes_only(len(sampled), scheduled)
-                self._step = _Step(len(sampled), 0, only, decodes_only=only)
+                self._step = _Step(len(sampled), 0, _decodes_only(len(sampled), scheduled))
                 self.adaptive.costs.step += 1
                 return proposals, None, None
             self._settled_newest = None  # a sequence joined (or the batch opened): plan again
@@ -124,8 +121,7 @@ class SpeculationDriver:
         if self.adaptive is not None and decoding:
             # Timings of pure decode/verify steps teach the cost model; prompt chunks
             # would blur them (B: decoding sequences, all of them sampling this step).
-            only = _decodes_only(len(decoding), scheduled)
-            self._step = _Step(len(decoding), 0, only, decodes_only=only)
+            self._step = _Step(len(decoding), 0, _decodes_only(len(decoding), scheduled))
         seqs = [s.seq for _, s in decoding]
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self._shadows:
@@ -247,8 +243,6 @@ class SpeculationDriver:
         step, self._step = self._step, None
         if self.adaptive is None or step is None:
             return
-        if step.decodes_only:
-            self.adaptive.learning.account(step.tokens, seconds)
         costs = self.adaptive.costs
         caps = self.adaptive.caps
         if step.pure:
@@ -275,8 +269,6 @@ class SpeculationDriver:
         """A sequence's verified proposals (num_proposed >= 1) were committed."""
         self.proposer.on_verified(seq, num_tokens_before, num_proposed, num_accepted)
         self.metrics.record(num_proposed, num_accepted, num_committed)
-        if self._step is not None:
-            self._step.tokens += num_committed
         if self.adaptive is not None:
             self.adaptive.record(seq.seq_id, num_proposed, num_accepted,
                                  self._match_lengths.pop(seq.seq_id, 0))
@@ -292,8 +284,6 @@ class SpeculationDriver:
         engine's (the step log's host time outside the target runner: 0.65-0.69 against
         0.46-0.52 ms)."""
         self.metrics.total.num_non_spec_decode_steps += count
-        if self._step is not None:
-            self._step.tokens += count
 
     def free(self, seq: Sequence) -> None:
         self.proposer.free(seq)
