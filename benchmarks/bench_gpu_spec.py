@@ -26,7 +26,9 @@ matmul rate (8192^3). Then:
      draft runs for real, its tokens are replaced by the target's recorded greedy tokens,
      corrupted with probability 1 - a): batch 1 at k = 4 (fixed) for a = 0.5, 0.7, 0.9 against
      the ideal (1 - a^(k+1)) / ((1 - a)(1 + k c)), c = draft step / target step; batch 32
-     with adaptive speculation on.
+     with adaptive speculation on (the median of B32_PAIRS interleaved plain/speculative
+     pairs). Diagnostics after it on request: --timeline, --settled-ab (an A/A control of
+     plain runs beside a batch settled on plain decoding), --profile-*, --catch-up-sweep.
 """
 
 from __future__ import annotations
