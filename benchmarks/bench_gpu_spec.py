@@ -692,10 +692,7 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
     settled on plain decoding from its first step (learning skipped, engine-wide acceptance
     0.2). Each run's phases are timed without the profiler (step_timeline.phase timers over
     the whole run), so a gap, if any, shows where it lands."""
-    from collections import defaultdict
-    from contextlib import ExitStack
-
-    from step_timeline import engine_phases, wrapped
+    from step_timeline import timed_phases
 
     engine = llm.llm_engine
     saved_acceptance = list(adaptive.global_acceptance)
@@ -704,7 +701,7 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
     replay.acceptance = 0.5
     arms = ("plain A", "plain B", "settled")
     rates: dict[str, list[float]] = {a: [] for a in arms}
-    phases: dict[str, dict[str, float]] = {a: defaultdict(float) for a in arms}
+    phases: dict[str, dict[str, float]] = {a: {} for a in arms}
     spec_steps = 0
     try:
         for r in range(reps):
@@ -715,22 +712,7 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
                     adaptive.learning.skip_left = 1
                     adaptive.global_acceptance[:] = [0.2, 0.2]
                 before = driver.metrics.total.num_spec_steps
-                totals = phases[arm]
-
-                def timer(label, totals=totals):
-                    def around(original):
-                        def run(*args, **kwargs):
-                            t0 = time.perf_counter()
-                            try:
-                                return original(*args, **kwargs)
-                            finally:
-                                totals[label] += time.perf_counter() - t0
-                        return run
-                    return around
-
-                with ExitStack() as stack:
-                    for obj, name, label in engine_phases(engine):
-                        stack.enter_context(wrapped(obj, name, timer(label)))
+                with timed_phases(engine, phases[arm]):
                     rates[arm].append(run_engine(llm, prompts, new_tokens, f"ab-{arm}")[0])
                 spec_steps += driver.metrics.total.num_spec_steps - before
     finally:

@@ -107,16 +107,10 @@ def profile_steps(engine, steps: int, trace_path: Path) -> list[float]:
     return walls
 
 
-def phase_seconds(engine, steps: int) -> dict[str, float]:
-    """Inclusive wall seconds per phase over `steps` engine steps, measured with perf_counter
-    wrappers and no profiler: the profiler's per-op recording inflates host time several
-    times over (a batch-32 plain step on the H200 took 9.6 ms under it, 5.7 ms without), so
-    the timeline says where the device idles and this says how long each phase really takes.
-    Phases that read results back (target.forward+read, verify) include waiting for the GPU."""
-    import torch
-
-    totals: dict[str, float] = {}
-
+@contextmanager
+def timed_phases(engine, totals: dict[str, float]):
+    """While the context lasts, add each engine phase's inclusive wall seconds (perf_counter
+    wrappers, no profiler) to totals[label]."""
     def timer(label: str):
         def around(original):
             def run(*args, **kwargs):
@@ -131,6 +125,19 @@ def phase_seconds(engine, steps: int) -> dict[str, float]:
     with ExitStack() as stack:
         for obj, name, label in engine_phases(engine):
             stack.enter_context(wrapped(obj, name, timer(label)))
+        yield totals
+
+
+def phase_seconds(engine, steps: int) -> dict[str, float]:
+    """Inclusive wall seconds per phase over `steps` engine steps, measured with perf_counter
+    wrappers and no profiler: the profiler's per-op recording inflates host time several
+    times over (a batch-32 plain step on the H200 took 9.6 ms under it, 5.7 ms without), so
+    the timeline says where the device idles and this says how long each phase really takes.
+    Phases that read results back (target.forward+read, verify) include waiting for the GPU."""
+    import torch
+
+    totals: dict[str, float] = {}
+    with timed_phases(engine, totals):
         for _ in range(steps):
             engine.step()
             if torch.cuda.is_available():
