@@ -1119,6 +1119,8 @@ def main() -> int:
             engine.step = timed
             return lambda: setattr(engine, "step", step)
 
+        last_spec_steps = [0]  # speculative steps of the last spec_run
+
         def spec_run(ps, new, acceptance, adaptive_on):
             """(tok/s, outputs, measured a, (share of decode steps that speculated, engine
             steps over STALL_SECONDS: one-time compiles))"""
@@ -1142,6 +1144,7 @@ def main() -> int:
                 say(f"  compiled during spec a={acceptance} b={len(ps)}: {name} {signature}")
             d = driver.metrics.total.minus(before)
             share = d.num_spec_steps / max(d.num_spec_steps + d.num_non_spec_decode_steps, 1)
+            last_spec_steps[0] = d.num_spec_steps
             return (rate, outs, replay.per_token_acceptance,
                     (share, f"{len(slow)} / {sum(slow):.2f} s"))
 
@@ -1173,6 +1176,7 @@ def main() -> int:
 
         plain_beside = []
         pair_ratios: list[list[float]] = []
+        pairs_in_order: list[list[tuple[float, int]]] = []  # (speedup, speculative steps)
         for a in ACCEPTANCES:
             # An unmeasured pass first: adaptive k runs draft catch-ups and batch shapes that
             # fixed k never does, and their one-time compiles (~0.3-0.8 s each) would
@@ -1182,6 +1186,7 @@ def main() -> int:
             # speedup is the median pair's. (Until session 15: the faster of two runs each,
             # where plain runs of one engine spread 823-904 ms.)
             measured = []  # (speedup, plain tok/s, spec_run's result)
+            pairs_in_order.append([])
             for pair in range(B32_PAIRS):
                 if pair % 2 == 0:
                     base = plain_run(b32, new32)
@@ -1190,6 +1195,7 @@ def main() -> int:
                     result = spec_run(b32, new32, a, True)
                     base = plain_run(b32, new32)
                 measured.append((result[0] / base, base, result))
+                pairs_in_order[-1].append((result[0] / base, last_spec_steps[0]))
             measured.sort(key=lambda m: m[0])
             speedup, base, (rate, outs, acc, stats) = measured[len(measured) // 2]
             pair_ratios.append([m[0] for m in measured])
@@ -1198,6 +1204,7 @@ def main() -> int:
             rows.append((len(b32), a, acc, rate, speedup, float("nan"),
                          f"{same}/{len(b32)}", *stats))
         spec["b32_pair_ratios"] = pair_ratios
+        spec["b32_pairs_in_order"] = pairs_in_order
         base = plain_run(b32, new32)
         rate, outs, acc, stats = spec_run(b32, new32, 0.9, False)  # without adaptivity
         plain_beside.append(base)
@@ -1315,6 +1322,16 @@ def main() -> int:
                 + ", ".join(f"{r:.0f}" for r in spec["plain32_beside"])
                 + f" tok/s (section 2: {spec['plain32_section2']:.0f}); the 0.9 fixed-k row: "
                 "one pair")
+        for a, pairs in zip(ACCEPTANCES, spec.get("b32_pairs_in_order", []), strict=False):
+            # batches that never speculated (skipped learning, or learned and settled plainly
+            # in one step) against those that went on speculating
+            quiet = [r for r, n in pairs if n <= 1]
+            busy = [r for r, n in pairs if n > 1]
+            say(f"  a = {a}, pairs in run order (speculative steps of the batch): " + ", ".join(
+                f"{r:.3f} ({n})" for r, n in pairs) + "; median of batches with <= 1 "
+                f"speculative step {statistics.median(quiet) if quiet else float('nan'):.3f} "
+                f"({len(quiet)}), of the others "
+                f"{statistics.median(busy) if busy else float('nan'):.3f} ({len(busy)})")
         runs_with_gc = {k: v for k, v in GC_IN_RUNS.items() if v[0]}
         say("full garbage collections inside timed runs: " + (", ".join(
             f"{k} {n} ({1e3 * t:.0f} ms)" for k, (n, t) in runs_with_gc.items()) or "none"))
