@@ -690,7 +690,7 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
     speculation off? Three arms in one engine, `reps` rounds in rotating order: plain decoding
     twice (A and B: the pair method's own noise, an A/A control) and the driver on a batch
     settled on plain decoding from its first step (learning skipped, engine-wide acceptance
-    0.2). Each run's phases are timed without the profiler (step_timeline.phase timers over
+    0.2). Each run's phases are timed without the profiler (step_timeline.timed_phases over
     the whole run), so a gap, if any, shows where it lands."""
     from step_timeline import timed_phases
 
