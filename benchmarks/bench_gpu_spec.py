@@ -626,6 +626,13 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
     return lines
 
 
+def start_settled(adaptive) -> None:
+    """Make the next closed batch settle on plain decoding from its first step: it skips
+    learning, and the engine-wide acceptance (0.2; the caller restores it) says plain."""
+    adaptive.learning.skip_left = 1
+    adaptive.global_acceptance[:] = [0.2, 0.2]
+
+
 def timeline(engine, driver, replay, adaptive, prompts: list[list[int]], new_tokens: int,
              out: Path | None, caps=(0, "settled", 1, 2), skip: int = 20,
              steps: int = 12) -> list[str]:
@@ -650,9 +657,8 @@ def timeline(engine, driver, replay, adaptive, prompts: list[list[int]], new_tok
         for cap in caps:
             settled = cap == "settled"
             driver.adaptive = adaptive if settled else None
-            if settled:  # this batch starts without learning, on an engine-wide 0.2
-                adaptive.learning.skip_left = 1
-                adaptive.global_acceptance[:] = [0.2, 0.2]
+            if settled:
+                start_settled(adaptive)
             engine.speculation = driver if cap else None
             capped = (lambda limit: limit) if settled else (
                 lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b)))  # noqa: E731
@@ -709,8 +715,7 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
                 settled = arm == "settled"
                 engine.speculation = driver if settled else None
                 if settled:
-                    adaptive.learning.skip_left = 1
-                    adaptive.global_acceptance[:] = [0.2, 0.2]
+                    start_settled(adaptive)
                 before = driver.metrics.total.num_spec_steps
                 with timed_phases(engine, phases[arm]):
                     rates[arm].append(run_engine(llm, prompts, new_tokens, f"ab-{arm}")[0])
