@@ -626,6 +626,63 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
     return lines
 
 
+def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
+                 out: Path | None, caps=(0, 1), skip: int = 20, steps: int = 40) -> list[str]:
+    """Host time per Python function of steady batch steps at fixed caps (0: plain decoding,
+    the driver off; else replayed proposals at a = 0.5 capped there): cProfile over `steps`
+    steps sorted by own time, beside the wall time per step of as many steps without the
+    profiler. What a speculative step's host does that a plain step's does not is what keeps
+    a cap near break-even where verification is not free (batch 32)."""
+    import cProfile
+    import io
+    import pstats
+
+    from step_timeline import wrapped
+
+    lines: list[str] = []
+    saved_adaptive = driver.adaptive
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    skip = min(skip, new_tokens // 4)
+    steps = min(steps, (new_tokens - skip) // 3)
+    try:
+        replay.acceptance = 0.5
+        driver.adaptive = None
+        for cap in caps:
+            engine.speculation = driver if cap else None
+            capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
+            with wrapped(driver, "_limit", capped):
+                add_and_skip(engine, prompts, params, f"pcap{cap}", skip)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                sync()
+                wall = (time.perf_counter() - t0) / steps
+                prof = cProfile.Profile()
+                t0 = time.perf_counter()
+                prof.enable()
+                for _ in range(steps):
+                    engine.step()
+                sync()
+                prof.disable()
+                profiled = (time.perf_counter() - t0) / steps
+                while engine.has_unfinished_requests():
+                    engine.step()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+            body = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+            title = "plain decoding" if cap == 0 else f"fixed cap {cap}, replay a = 0.5"
+            lines += [f"batch {len(prompts)}, {title}: {1e3 * wall:.3f} ms/step without the "
+                      f"profiler, {1e3 * profiled:.3f} under cProfile ({steps} steps each)",
+                      *body[:48], ""]
+    finally:
+        driver.adaptive = saved_adaptive
+        engine.speculation = driver
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_caps.txt").write_text("\n".join(lines))
+    return lines
+
+
 def start_settled(adaptive) -> None:
     """Make the next closed batch settle on plain decoding from its first step: it skips
     learning, and the engine-wide acceptance (0.2; the caller restores it) says plain."""
@@ -884,6 +941,9 @@ def main() -> int:
                          "(plain, a settled speculative batch, fixed caps 1 and 2 at a = 0.5): "
                          "host and GPU-idle time per "
                          "engine phase (step_timeline.py)")
+    ap.add_argument("--profile-caps", action="store_true",
+                    help="after section 4: cProfile (own time per function) of steady "
+                         "batch-32 and batch-1 steps, plain and at a fixed cap 1 (a = 0.5)")
     ap.add_argument("--settled-ab", action="store_true",
                     help="after section 4: batch-32 runs of plain decoding twice (an A/A "
                          "control) and of a batch settled on plain decoding in the speculative "
@@ -1224,6 +1284,16 @@ def main() -> int:
             driver.adaptive = adaptive  # the policy as users get it, at the hardest rate
             replay.acceptance = 0.5
             spec["profile_steady"] = profile_steady_steps(engine, b32, new32, args.out)
+        if args.profile_caps:
+            say("\n== 4h. host time per function of steady batch-32 steps, plain and cap 1")
+            spec["profile_caps"] = profile_caps(engine, driver, replay, b32, new32, args.out)
+            for line in spec["profile_caps"]:
+                say(line)
+            say("\n== 4h'. the same at batch 1")
+            spec["profile_caps_b1"] = profile_caps(engine, driver, replay, b32[:1], new32,
+                                                   args.out and args.out / "b1")
+            for line in spec["profile_caps_b1"]:
+                say(line)
         if args.timeline:
             say("\n== 4f. where batch-32 steps leave the GPU idle (per engine phase)")
             spec["timeline"] = timeline(engine, driver, replay, adaptive, b32, new32,
