@@ -400,3 +400,70 @@ def test_a_closed_batch_starts_speculating_only_once_its_prompts_are_in(tiny_lla
         assert [outputs[f"{run}-{i}"] for i in longest] == [llama_reference[i] for i in longest]
     assert mixed and not early, (len(mixed), len(early))
     assert driver.metrics.total.num_spec_steps > 0  # it did start, once the prompts were in
+
+
+def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
+    """Greedy generation with a draft, proposals launched a step ahead or not; returns the
+    tokens, the speculation counters and how often a step took launched proposals."""
+    from specserve.spec_decode.draft_model import DraftModelProposer
+
+    llm = tiny_llm(target, speculative_model=str(draft), num_speculative_tokens=k,
+                   speculative_adaptive=False)
+    driver = llm.llm_engine.speculation
+    proposer = driver.proposer
+    proposer.launch_ahead_enabled = ahead  # (off the GPU it is off by default)
+    taken = []
+    original = DraftModelProposer._take_ahead
+
+    def spy(seqs, max_tokens):
+        out = original(proposer, seqs, max_tokens)
+        taken.append(out is not None)
+        return out
+
+    proposer._take_ahead = spy
+    if limit is not None:
+        plain_limit = driver._limit
+        driver._limit = lambda s, b: min(plain_limit(s, b), limit(s.seq))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.get_metrics()["spec_decode"]
+    assert proposer._ahead is None  # nothing left in flight once every request is done
+    assert all(not s.block_table for s in proposer.shadows.values())
+    return _tokens(outs), stats, taken
+
+
+@pytest.mark.parametrize("draft_name", ["tiny_llama", "tiny_llama_draft"])
+def test_proposals_launched_ahead_change_nothing(tiny_llama, draft_name, request, test_prompts):
+    """Proposals drafted at the end of a step for the next one are the proposals the next step
+    would draft: same tokens, same acceptance counts, with sequences finishing at different
+    steps (max_tokens, a stop token) so that later steps take a subset of the rows."""
+    draft = request.getfixturevalue(draft_name)
+    prompts = test_prompts[:6]
+    params = [_greedy(n) for n in (30, 7, 19, 30, 12, 25)]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                               stop_token_ids=[7, 11, 13])
+    plain = _tokens(tiny_llm(tiny_llama).generate(prompts, params, use_tqdm=False))
+    for k in (1, 3):
+        off = _ahead_run(tiny_llama, draft, prompts, params, False, k)
+        on = _ahead_run(tiny_llama, draft, prompts, params, True, k)
+        assert off[0] == on[0] == plain
+        assert off[1] == on[1]  # every proposal and acceptance count
+        assert not off[2] and len(on[2]) >= 5  # launched ...
+        assert sum(on[2]) >= 0.8 * len(on[2])  # ... and taken
+
+
+def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, test_prompts):
+    """When the next step wants more tokens than were launched, or none from some sequences,
+    the launched proposals are dropped (or those rows' shadows put back) and the draft's state
+    is exactly as if nothing had been launched: same tokens and acceptance as without."""
+    prompts = test_prompts[:5]
+    params = _greedy(26)
+    plain = _tokens(tiny_llm(tiny_llama).generate(prompts, params, use_tqdm=False))
+
+    def limit(seq):  # 0..3 proposals, changing from step to step and between sequences
+        return (seq.num_tokens * 7 + seq.seq_id * 3) % 4
+
+    off = _ahead_run(tiny_llama, tiny_llama, prompts, params, False, 3, limit)
+    on = _ahead_run(tiny_llama, tiny_llama, prompts, params, True, 3, limit)
+    assert off[0] == on[0] == plain
+    assert off[1] == on[1]
+    assert any(on[2]) and not all(on[2])  # some taken, some dropped

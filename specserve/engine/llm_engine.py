@@ -353,6 +353,9 @@ class LLMEngine:
             else:
                 self.block_manager.rollback(s.seq, s.seq.num_tokens)  # unused lookahead slots
                 self.block_manager.register_computed_blocks(s.seq)
+        if self.speculation is not None:
+            # the next step's draft proposals start on the device now (driver.launch_ahead)
+            self.speculation.launch_ahead(sampled)
         outputs = [self._make_output(req) for req in touched.values()]
         if self.speculation is not None:
             # The whole step, host work included (scheduling, proposing, committing and

@@ -14,6 +14,12 @@ target's token list but has its own block table and computed-token count. Each s
 
 After verification the shadow is rolled back to the accepted length; when all k were accepted
 the catch-up in the next step's first forward covers the bonus token, so no extra pass is run.
+
+On a GPU the next step's proposals are launched at the end of a step (``launch_ahead``), right
+after its tokens are committed: the draft's forwards then run while the host finishes the step
+and schedules, plans and prepares the next, instead of after all of that. The next step takes
+them if it proposes for the same sequences at their launched lengths and no more tokens each;
+otherwise they are dropped and the shadows put back (``drop_ahead``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,18 @@ from specserve.sample.sampler import probs_from_final_logits, sample
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.verifier import is_plain_greedy
 from specserve.worker.model_runner import ModelRunner, SequenceRun
-from specserve.worker.transfer import scatter_rows
+from specserve.worker.transfer import scatter_rows, to_device
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """Proposals launched at the end of the last step (DraftModelProposer.launch_ahead)."""
+
+    rows: dict[int, int]  # seq_id -> its row of proposals.device_tokens
+    ks: list[int]  # per row: proposals drafted
+    num_tokens: list[int]  # per row: the sequence's length at launch
+    saved: dict[int, int]  # seq_id -> its shadow's computed tokens before the launch
+    proposals: DraftProposals  # device_tokens [A, K]
 
 
 class DraftModelProposer(Proposer):
@@ -53,6 +70,10 @@ class DraftModelProposer(Proposer):
         self.multi_step = True
         # ... and, where the engine verifies greedily, left on the device for verification.
         self.device_proposals = True
+        # Launch the next step's proposals at the end of a step (module docstring). Only where
+        # the device runs them while the host works on: on a CPU it would only move the work.
+        self.launch_ahead_enabled = runner.device.type == "cuda"
+        self._ahead: _Ahead | None = None
 
     # ---- shadow sequences ------------------------------------------------------------------
     def _shadow(self, seq: Sequence) -> Sequence:
@@ -102,6 +123,11 @@ class DraftModelProposer(Proposer):
         greedy = all(is_plain_greedy(s.params) for s in seqs)
         on_device = (on_device and self.device_proposals and greedy
                      and not any(self.blocked_token_ids(s, 0) for s in seqs))
+        if self._ahead is not None:
+            taken = self._take_ahead(seqs, max_tokens) if on_device else None
+            self.drop_ahead()
+            if taken is not None:
+                return taken
         # A greedy batch may draft proposals 2..k of every sequence in one window of the
         # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
         window_k = max(max_tokens, default=0) if (self.multi_step or on_device) and greedy else 0
@@ -175,6 +201,68 @@ class DraftModelProposer(Proposer):
         placeholders = [[0] * k for k in ks]
         return DraftProposals(placeholders, None, catch_up,
                               scatter_rows(tokens, active, len(seqs)))  # [S, k_max]
+
+    # ---- proposals launched a step ahead ---------------------------------------------------
+    def launch_ahead(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Draft the next step's proposals now (ks[i] >= 1 for seqs[i], at its committed
+        length), on the device, for propose() to take (module docstring). Only plain greedy
+        sequences with nothing blocked, each with KV slots for the longest k, as in
+        _propose_on_device, which this runs."""
+        self.drop_ahead()
+        if (not self.launch_ahead_enabled or not self.device_proposals or not seqs
+                or not all(is_plain_greedy(s.params) for s in seqs)
+                or any(self.blocked_token_ids(s, 0) for s in seqs)
+                or any(s.seq_id not in self.shadows for s in seqs)):
+            return
+        k_max = max(ks)
+        saved = {s.seq_id: self.shadows[s.seq_id].num_computed_tokens for s in seqs}
+        if not all(self._fits(s, k_max) and self._reserve(s, k_max) for s in seqs):
+            self._restore(saved)
+            return
+        self._ahead = _Ahead({s.seq_id: i for i, s in enumerate(seqs)}, list(ks),
+                             [s.num_tokens for s in seqs], saved,
+                             self._propose_on_device(seqs, list(ks), k_max))
+
+    def drop_ahead(self) -> None:
+        """Forget proposals launched ahead that propose() did not take: their sequences'
+        shadows go back to what they had computed before the launch (their KV past that is
+        rewritten before it is ever read)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._restore(ahead.saved)
+
+    def _restore(self, saved: dict[int, int]) -> None:
+        for seq_id, computed in saved.items():
+            shadow = self.shadows.get(seq_id)  # gone if its sequence was freed
+            if shadow is not None:
+                shadow.num_computed_tokens = computed
+                self.block_manager.rollback(shadow, computed)
+
+    def _take_ahead(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals | None:
+        """The launched proposals as this step's, if every proposing sequence was launched
+        at its current length with at least its k now (a shorter k is a prefix of the same
+        drafted tokens); else None. Launched sequences that do not propose now get their
+        shadows back; the others keep theirs (on_verified rolls them back as usual)."""
+        ahead = self._ahead
+        rows, active = [], []
+        for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True)):
+            if k <= 0:
+                continue
+            row = ahead.rows.get(seq.seq_id)
+            if row is None or k > ahead.ks[row] or seq.num_tokens != ahead.num_tokens[row]:
+                return None
+            rows.append(row)
+            active.append(i)
+        if not rows:
+            return None
+        proposing = {seqs[i].seq_id for i in active}
+        ahead.saved = {s: c for s, c in ahead.saved.items() if s not in proposing}
+        tokens = ahead.proposals.device_tokens  # [A, K]
+        if rows != list(range(tokens.shape[0])):
+            tokens = tokens[to_device(rows, torch.int64, tokens.device)]  # [len(rows), K]
+        return DraftProposals([[0] * max(k, 0) for k in max_tokens], None,
+                              ahead.proposals.num_catch_up_tokens,
+                              scatter_rows(tokens, active, len(seqs)))  # [S, K]
 
     def _device_tokens(self, seqs: list[Sequence], active: list[int],
                        tokens: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,9 @@ class SpeculationDriver:
         # draft-free: steps in a row a closed batch chose no proposal, and its newest seq_id
         self._idle_steps = 0
         self._idle_newest = -1
+        # this step's proposals were drafted on the device: (their longest k, who proposed),
+        # what launch_ahead starts for the next step
+        self._launch: tuple[int, set[int]] | None = None
 
     # ---- before the target pass ------------------------------------------------------------
     def _limit(self, s: ScheduledSequence, batch_size: int) -> int:
@@ -101,6 +104,17 @@ class SpeculationDriver:
         when on_device allowed it (the step verifies greedily), the proposals still on the
         device ([S, K]: the lists then hold placeholders of the right lengths). closed: no
         request waits for a slot (Scheduler.is_closed; see AdaptiveSpeculation._choose)."""
+        self._launch = None
+        try:
+            return self._propose(scheduled, sampled, on_device, closed)
+        finally:
+            # proposals launched at the end of the last step that this step did not take
+            # (it planned other lengths, or none at all): undone
+            self.proposer.drop_ahead()
+
+    def _propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
+                 on_device: bool, closed: bool
+                 ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
         proposals: list[list[int]] = [[] for _ in sampled]
         self._step = None
         if self._settled_newest is not None:
@@ -181,6 +195,8 @@ class SpeculationDriver:
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
         pending = (None if out.device_tokens is None
                    else scatter_rows(out.device_tokens, rows, len(sampled)))  # [S, K]
+        if pending is not None:
+            self._launch = (max(ks), {seq.seq_id for seq, k in zip(seqs, ks, strict=True) if k})
         if self._step is not None:
             self._step.num_proposals = sum(len(p) for p in proposals)
             if out.num_catch_up_tokens > CATCH_UP_MEASURED * sum(1 for k in ks if k):
@@ -192,6 +208,30 @@ class SpeculationDriver:
                     self._step.catch_up = out.num_catch_up_tokens
                 self._step.pure = False
         return proposals, draft_probs, pending
+
+    def launch_ahead(self, sampled: list[ScheduledSequence]) -> None:
+        """After this step's commits: if its proposals were drafted on the device, have the
+        proposer draft the next step's now, at this step's longest k for every sequence that
+        proposed and goes on (within its limits), so that the device drafts them while the
+        host finishes this step and prepares the next. On the H200 at batch 32 a cap-1 step
+        took 8.8 ms against 6.5 for a plain one, of which the draft's forward is ~1.1 ms of
+        GPU time and the host's extra work ~0.6 ms before it could start. A step that plans
+        other lengths, or none, drops them (propose)."""
+        launch, self._launch = self._launch, None
+        if launch is None or self._settled_newest is not None:
+            return
+        k_max, proposed = launch
+        seqs, ks = [], []
+        for s in sampled:
+            seq = s.seq
+            if seq.seq_id not in proposed or seq.is_finished:
+                continue
+            k = min(k_max, self._remaining(seq) - 1, self.spec_max_model_len - seq.num_tokens)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            self.proposer.launch_ahead(seqs, ks)
 
     def _skips_looking(self, ids: list[int], closed: bool, any_pinned: bool) -> bool:
         """Whether a draft-free step skips finding and pricing proposals: a closed batch of at

@@ -68,3 +68,15 @@ class Proposer(ABC):
     def free(self, seq: Sequence) -> None:
         """The sequence finished, was aborted or was preempted: drop its state."""
         return None
+
+    def launch_ahead(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """At the end of a step: start the next step's proposals for seqs (up to ks[i] each)
+        so that the device drafts them while the host finishes this step and prepares the
+        next; propose() then takes them if they fit what it is asked for. Proposers whose
+        proposals cost no device work do nothing."""
+        return None
+
+    def drop_ahead(self) -> None:
+        """Forget proposals launched ahead that propose() did not take (undoing any state
+        the launch advanced)."""
+        return None
