@@ -627,12 +627,14 @@ def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out:
 
 
 def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: int,
-                 out: Path | None, caps=(0, 1), skip: int = 20, steps: int = 40) -> list[str]:
+                 out: Path | None, caps=((0, True), (1, False), (1, True), (4, False), (4, True)),
+                 skip: int = 20, steps: int = 40) -> list[str]:
     """Host time per Python function of steady batch steps at fixed caps (0: plain decoding,
-    the driver off; else replayed proposals at a = 0.5 capped there): cProfile over `steps`
-    steps sorted by own time, beside the wall time per step of as many steps without the
-    profiler. What a speculative step's host does that a plain step's does not is what keeps
-    a cap near break-even where verification is not free (batch 32)."""
+    the driver off; else replayed proposals at a = 0.5 capped there), each with the draft's
+    proposals launched a step ahead or not (DraftModelProposer.launch_ahead): cProfile over
+    `steps` steps sorted by own time, beside the wall time per step of as many steps without
+    the profiler. What a speculative step's host does that a plain step's does not is what
+    keeps a cap near break-even where verification is not free (batch 32)."""
     import cProfile
     import io
     import pstats
@@ -640,14 +642,15 @@ def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: i
     from step_timeline import wrapped
 
     lines: list[str] = []
-    saved_adaptive = driver.adaptive
+    saved_adaptive, saved_ahead = driver.adaptive, replay.launch_ahead_enabled
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     skip = min(skip, new_tokens // 4)
     steps = min(steps, (new_tokens - skip) // 3)
     try:
         replay.acceptance = 0.5
         driver.adaptive = None
-        for cap in caps:
+        for cap, ahead in caps:
+            replay.launch_ahead_enabled = ahead
             engine.speculation = driver if cap else None
             capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
             with wrapped(driver, "_limit", capped):
@@ -670,13 +673,15 @@ def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: i
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
             body = [ln for ln in text.getvalue().splitlines() if ln.strip()]
-            title = "plain decoding" if cap == 0 else f"fixed cap {cap}, replay a = 0.5"
+            title = "plain decoding" if cap == 0 else (
+                f"fixed cap {cap}, replay a = 0.5, {'' if ahead else 'not '}launched ahead")
             lines += [f"batch {len(prompts)}, {title}: {1e3 * wall:.3f} ms/step without the "
                       f"profiler, {1e3 * profiled:.3f} under cProfile ({steps} steps each)",
                       *body[:48], ""]
     finally:
         driver.adaptive = saved_adaptive
         engine.speculation = driver
+        replay.launch_ahead_enabled = saved_ahead
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "profile_caps.txt").write_text("\n".join(lines))
@@ -1158,10 +1163,16 @@ def main() -> int:
             step = engine.step
 
             def timed():
+                # No sync after the step: a speculative step ends with the next step's draft
+                # proposals launched on the device (DraftModelProposer.launch_ahead), and
+                # waiting for them here would undo the overlap it is for. Every step still
+                # ends in its own read of the target's tokens; a step's time then holds the
+                # device time of the draft launched at the end of the step before.
+                events = step_shape.pop("events", [])  # replays still running last time
                 step_shape.clear()
+                step_shape["events"] = events
                 t0 = time.perf_counter()
                 out = step()
-                sync()
                 dt = time.perf_counter() - t0
                 props, catch = step_shape.get("proposals", 0), step_shape.get("catch_up", 0)
                 kind = ("plain" if props == 0 else
@@ -1170,7 +1181,10 @@ def main() -> int:
                 cats.setdefault(f"{kind} proposals", []).append(props)
                 if steps_log is not None:
                     cap = adaptive.last_cap if driver.adaptive is not None else None
-                    gpu = sum(a.elapsed_time(b) for a, b in step_shape.get("events", ()))
+                    done = [(a, b) for a, b in step_shape.get("events", ()) if b.query()]
+                    gpu = sum(a.elapsed_time(b) for a, b in done)
+                    step_shape["events"] = [e for e in step_shape.get("events", ())
+                                            if e not in done]  # counted with the next step
                     steps_log.write(json.dumps(dict(
                         run=label, ms=round(1e3 * dt, 2), proposals=props, catch_up=catch,
                         cap=cap, batch=sum(1 for r in engine.requests.values()
