@@ -427,21 +427,26 @@ def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.get_metrics()["spec_decode"]
     assert proposer._ahead is None  # nothing left in flight once every request is done
+    assert not proposer._verified_early
     assert all(not s.block_table for s in proposer.shadows.values())
     return _tokens(outs), stats, taken
 
 
 @pytest.mark.parametrize("draft_name", ["tiny_llama", "tiny_llama_draft"])
 def test_proposals_launched_ahead_change_nothing(tiny_llama, draft_name, request, test_prompts):
-    """Proposals drafted at the end of a step for the next one are the proposals the next step
-    would draft: same tokens, same acceptance counts, with sequences finishing at different
-    steps (max_tokens, a stop token) so that later steps take a subset of the rows."""
+    """Proposals drafted right after a step's verification (before its commits) for the next
+    step are the proposals the next step would draft: same tokens, same acceptance counts,
+    with sequences finishing at different steps (max_tokens, a stop token inside an accepted
+    run) so that later steps take a subset of the rows."""
     draft = request.getfixturevalue(draft_name)
     prompts = test_prompts[:6]
     params = [_greedy(n) for n in (30, 7, 19, 30, 12, 25)]
+    plain_llm = tiny_llm(tiny_llama)
+    stop_id = plain_llm.generate(prompts[3], params[3], use_tqdm=False)[0].outputs[0].token_ids[9]
     params[3] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                               stop_token_ids=[7, 11, 13])
-    plain = _tokens(tiny_llm(tiny_llama).generate(prompts, params, use_tqdm=False))
+                               stop_token_ids=[stop_id])
+    plain = _tokens(plain_llm.generate(prompts, params, use_tqdm=False))
+    assert len(plain[3]) <= 10  # the stop fires
     for k in (1, 3):
         off = _ahead_run(tiny_llama, draft, prompts, params, False, k)
         on = _ahead_run(tiny_llama, draft, prompts, params, True, k)

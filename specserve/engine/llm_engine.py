@@ -326,6 +326,10 @@ class LLMEngine:
                                             sample_logits)  # reads tokens: the step's one sync
             if any(s.params.logprobs is not None for s in seqs):
                 logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
+        if pending is not None:
+            # the next step's draft proposals start on the device now, while this step's
+            # tokens are committed (SpeculationDriver.launch_ahead)
+            self.speculation.launch_ahead(sampled, proposals, verified)
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             req = self.requests[s.seq.request_id]
@@ -353,9 +357,6 @@ class LLMEngine:
             else:
                 self.block_manager.rollback(s.seq, s.seq.num_tokens)  # unused lookahead slots
                 self.block_manager.register_computed_blocks(s.seq)
-        if self.speculation is not None:
-            # the next step's draft proposals start on the device now (driver.launch_ahead)
-            self.speculation.launch_ahead(sampled)
         outputs = [self._make_output(req) for req in touched.values()]
         if self.speculation is not None:
             # The whole step, host work included (scheduling, proposing, committing and

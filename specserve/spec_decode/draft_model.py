@@ -15,11 +15,12 @@ target's token list but has its own block table and computed-token count. Each s
 After verification the shadow is rolled back to the accepted length; when all k were accepted
 the catch-up in the next step's first forward covers the bonus token, so no extra pass is run.
 
-On a GPU the next step's proposals are launched at the end of a step (``launch_ahead``), right
-after its tokens are committed: the draft's forwards then run while the host finishes the step
-and schedules, plans and prepares the next, instead of after all of that. The next step takes
-them if it proposes for the same sequences at their launched lengths and no more tokens each;
-otherwise they are dropped and the shadows put back (``drop_ahead``).
+On a GPU the next step's proposals are launched as soon as a step's verification is read
+(``launch_ahead``), before its tokens are committed: the draft's forwards then run while the host
+commits and detokenizes, schedules, plans and prepares the next target pass, instead of after
+all of that. The next step takes them if it proposes for the same sequences at their launched
+lengths and no more tokens each; otherwise they are dropped and the shadows put back
+(``drop_ahead``). A sequence that a stop ends in the commit just leaves its row unused.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class DraftModelProposer(Proposer):
         # the device runs them while the host works on: on a CPU it would only move the work.
         self.launch_ahead_enabled = runner.device.type == "cuda"
         self._ahead: _Ahead | None = None
+        # sequences whose verification launch_ahead already applied (on_verified skips them)
+        self._verified_early: set[int] = set()
 
     # ---- shadow sequences ------------------------------------------------------------------
     def _shadow(self, seq: Sequence) -> Sequence:
@@ -97,6 +100,7 @@ class DraftModelProposer(Proposer):
         return total
 
     def free(self, seq: Sequence) -> None:
+        self._verified_early.discard(seq.seq_id)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.free(shadow)
@@ -203,25 +207,38 @@ class DraftModelProposer(Proposer):
                               scatter_rows(tokens, active, len(seqs)))  # [S, k_max]
 
     # ---- proposals launched a step ahead ---------------------------------------------------
-    def launch_ahead(self, seqs: list[Sequence], ks: list[int]) -> None:
-        """Draft the next step's proposals now (ks[i] >= 1 for seqs[i], at its committed
-        length), on the device, for propose() to take (module docstring). Only plain greedy
-        sequences with nothing blocked, each with KV slots for the longest k, as in
-        _propose_on_device, which this runs."""
+    def launch_ahead(self, seqs: list[Sequence], ks: list[int], emitted: list[list[int]],
+                     verified: list[tuple[int, int]]) -> None:
+        """Draft the next step's proposals now, on the device, for propose() to take (module
+        docstring): ks[i] >= 1 for seqs[i] once the tokens emitted[i] that this step verified
+        are committed; verified[i] = (proposed, accepted) of that verification, applied here
+        (on_verified then skips the sequence). Only plain greedy sequences with nothing
+        blocked, each with KV slots for the longest k, as in _propose_on_device, which this
+        runs on the sequences with emitted[i] appended for the while."""
         self.drop_ahead()
         if (not self.launch_ahead_enabled or not self.device_proposals or not seqs
                 or not all(is_plain_greedy(s.params) for s in seqs)
-                or any(self.blocked_token_ids(s, 0) for s in seqs)
+                or any(self.blocked_token_ids(s, len(t)) for s, t in zip(seqs, emitted,
+                                                                        strict=True))
                 or any(s.seq_id not in self.shadows for s in seqs)):
             return
-        k_max = max(ks)
-        saved = {s.seq_id: self.shadows[s.seq_id].num_computed_tokens for s in seqs}
-        if not all(self._fits(s, k_max) and self._reserve(s, k_max) for s in seqs):
-            self._restore(saved)
-            return
-        self._ahead = _Ahead({s.seq_id: i for i, s in enumerate(seqs)}, list(ks),
-                             [s.num_tokens for s in seqs], saved,
-                             self._propose_on_device(seqs, list(ks), k_max))
+        for seq, (proposed, accepted) in zip(seqs, verified, strict=True):
+            self._apply_verification(seq, seq.num_tokens, proposed, accepted)
+            self._verified_early.add(seq.seq_id)
+        for seq, tokens in zip(seqs, emitted, strict=True):
+            seq.token_ids.extend(tokens)  # (the shadow shares the list)
+        try:
+            k_max = max(ks)
+            saved = {s.seq_id: self.shadows[s.seq_id].num_computed_tokens for s in seqs}
+            if not all(self._fits(s, k_max) and self._reserve(s, k_max) for s in seqs):
+                self._restore(saved)
+                return
+            self._ahead = _Ahead({s.seq_id: i for i, s in enumerate(seqs)}, list(ks),
+                                 [s.num_tokens for s in seqs], saved,
+                                 self._propose_on_device(seqs, list(ks), k_max))
+        finally:
+            for seq, tokens in zip(seqs, emitted, strict=True):
+                del seq.token_ids[len(seq.token_ids) - len(tokens):]  # the commit adds them
 
     def drop_ahead(self) -> None:
         """Forget proposals launched ahead that propose() did not take: their sequences'
@@ -317,6 +334,13 @@ class DraftModelProposer(Proposer):
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
                     num_accepted: int) -> None:
+        if seq.seq_id in self._verified_early:  # launch_ahead applied it
+            self._verified_early.discard(seq.seq_id)
+            return
+        self._apply_verification(seq, num_tokens_before, num_proposed, num_accepted)
+
+    def _apply_verification(self, seq: Sequence, num_tokens_before: int, num_proposed: int,
+                            num_accepted: int) -> None:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None or num_proposed == 0:
             return

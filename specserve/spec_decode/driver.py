@@ -18,6 +18,7 @@ from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.metrics import SpecDecodeMetrics
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
+from specserve.spec_decode.verifier import VerifyResult
 from specserve.worker.transfer import scatter_rows
 
 CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a typical step
@@ -209,29 +210,36 @@ class SpeculationDriver:
                 self._step.pure = False
         return proposals, draft_probs, pending
 
-    def launch_ahead(self, sampled: list[ScheduledSequence]) -> None:
-        """After this step's commits: if its proposals were drafted on the device, have the
-        proposer draft the next step's now, at this step's longest k for every sequence that
-        proposed and goes on (within its limits), so that the device drafts them while the
-        host finishes this step and prepares the next. On the H200 at batch 32 a cap-1 step
-        took 8.8 ms against 6.5 for a plain one, of which the draft's forward is ~1.1 ms of
-        GPU time and the host's extra work ~0.6 ms before it could start. A step that plans
-        other lengths, or none, drops them (propose)."""
+    def launch_ahead(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
+                     verified: VerifyResult) -> None:
+        """Right after this step's verification is read, before its commits: if its
+        proposals were drafted on the device, have the proposer draft the next step's now, at
+        this step's longest k for every sequence that proposed and may go on (within its
+        limits once this step's tokens are in), so that the device drafts them while the
+        host commits, detokenizes, schedules, plans and prepares the next target pass. On the
+        H200 at batch 32 a cap-1 step took 7.4 ms against 5.5 for a plain one; the draft's
+        forward is ~1.1 ms of GPU time that ran after all of that host work. A step that
+        plans other lengths, or none, drops them (propose)."""
         launch, self._launch = self._launch, None
         if launch is None or self._settled_newest is not None:
             return
         k_max, proposed = launch
-        seqs, ks = [], []
-        for s in sampled:
+        seqs, ks, emitted, counts = [], [], [], []
+        for s, props, tokens, accepted in zip(sampled, proposals, verified.emitted,
+                                              verified.num_accepted, strict=True):
             seq = s.seq
-            if seq.seq_id not in proposed or seq.is_finished:
+            if seq.seq_id not in proposed:
                 continue
-            k = min(k_max, self._remaining(seq) - 1, self.spec_max_model_len - seq.num_tokens)
+            after = seq.num_tokens + len(tokens)
+            k = min(k_max, self._remaining(seq) - len(tokens) - 1,
+                    self.spec_max_model_len - after)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
+                emitted.append(tokens)
+                counts.append((len(props), accepted))
         if seqs:
-            self.proposer.launch_ahead(seqs, ks)
+            self.proposer.launch_ahead(seqs, ks, emitted, counts)
 
     def _skips_looking(self, ids: list[int], closed: bool, any_pinned: bool) -> bool:
         """Whether a draft-free step skips finding and pricing proposals: a closed batch of at

@@ -69,11 +69,14 @@ class Proposer(ABC):
         """The sequence finished, was aborted or was preempted: drop its state."""
         return None
 
-    def launch_ahead(self, seqs: list[Sequence], ks: list[int]) -> None:
-        """At the end of a step: start the next step's proposals for seqs (up to ks[i] each)
-        so that the device drafts them while the host finishes this step and prepares the
-        next; propose() then takes them if they fit what it is asked for. Proposers whose
-        proposals cost no device work do nothing."""
+    def launch_ahead(self, seqs: list[Sequence], ks: list[int], emitted: list[list[int]],
+                     verified: list[tuple[int, int]]) -> None:
+        """Right after a step's verification, before its commits: start the next step's
+        proposals for seqs (up to ks[i] each, after the tokens emitted[i] are committed;
+        verified[i] = (proposed, accepted) of this step's verification) so that the device
+        drafts them while the host commits this step and prepares the next; propose() then
+        takes them if they fit what it is asked for. Proposers whose proposals cost no
+        device work do nothing."""
         return None
 
     def drop_ahead(self) -> None:
