@@ -171,8 +171,19 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     from specserve import SamplingParams
     from specserve.worker.model_runner import ModelRunner
 
+    from specserve.spec_decode.draft_model import DraftModelProposer
+
     used: list[int] = []
     enable = ModelRunner.enable_cuda_graphs
+    taken: list[bool] = []
+    take = DraftModelProposer._take_ahead
+
+    def spy(self, *args):
+        out = take(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "_take_ahead", spy)
 
     def force_padded_path(self, *args, **kwargs):
         used.append(1)
@@ -181,17 +192,22 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    def generate(**kwargs):
+    def generate(ahead: bool = False, **kwargs):
         llm = tiny_llm(tiny_llama, max_model_len=128, **kwargs)
+        if ahead:  # the draft's proposals launched right after each verification
+            llm.llm_engine.speculation.proposer.launch_ahead_enabled = True
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
     reference = generate(enforce_eager=True)
     monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
     assert generate() == reference
-    assert generate(speculative_model=str(tiny_llama_draft), num_speculative_tokens=3) == reference
+    for ahead in (False, True):
+        assert generate(ahead, speculative_model=str(tiny_llama_draft),
+                        num_speculative_tokens=3, speculative_adaptive=False) == reference
+    assert taken and all(taken)  # launched proposals were taken, from the graph path
     assert generate(num_scheduler_steps=5) == reference  # tokens fed back in the buffer
-    assert len(used) == 4  # plain target; target + draft; multi-step target
+    assert len(used) == 6  # plain target; target + draft, twice; multi-step target
 
 
 @needs_interpreter
