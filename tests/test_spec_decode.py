@@ -472,3 +472,35 @@ def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, test_prompts
     assert off[0] == on[0] == plain
     assert off[1] == on[1]
     assert any(on[2]) and not all(on[2])  # some taken, some dropped
+
+
+def test_proposals_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_reference,
+                                                               test_prompts):
+    """Sequences preempted or aborted while their next proposals are in flight: the others'
+    output is unchanged and every KV block of target and draft comes back."""
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   speculative_adaptive=False, num_gpu_blocks_override=24, max_model_len=256)
+    engine = llm.llm_engine
+    proposer = engine.speculation.proposer
+    proposer.launch_ahead_enabled = True
+    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
+    assert engine.scheduler.num_preemptions > 0
+
+    params = _greedy(REF_TOKENS)
+    for i in range(6):
+        engine.add_request(f"r{i}", test_prompts[i], params)
+    aborted, outputs, steps = {"r1", "r4"}, {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 6:
+            assert proposer._ahead is not None  # proposals in flight for the next step
+            for request_id in aborted:
+                engine.abort_request(request_id)
+    for i in range(6):
+        if f"r{i}" not in aborted:
+            assert outputs[f"r{i}"] == llama_reference[i]
+    assert engine.block_manager.num_free_blocks == 24
+    assert proposer.block_manager.num_free_blocks == 24
+    assert not proposer.shadows and proposer._ahead is None and not proposer._verified_early
