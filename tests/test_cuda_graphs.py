@@ -169,9 +169,8 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     from helpers import tiny_llm
 
     from specserve import SamplingParams
-    from specserve.worker.model_runner import ModelRunner
-
     from specserve.spec_decode.draft_model import DraftModelProposer
+    from specserve.worker.model_runner import ModelRunner
 
     used: list[int] = []
     enable = ModelRunner.enable_cuda_graphs
