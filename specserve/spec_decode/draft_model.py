@@ -207,6 +207,10 @@ class DraftModelProposer(Proposer):
                               scatter_rows(tokens, active, len(seqs)))  # [S, k_max]
 
     # ---- proposals launched a step ahead ---------------------------------------------------
+    @property
+    def launches_ahead(self) -> bool:
+        return self.launch_ahead_enabled and self.device_proposals
+
     def launch_ahead(self, seqs: list[Sequence], ks: list[int], emitted: list[list[int]],
                      verified: list[tuple[int, int]]) -> None:
         """Draft the next step's proposals now, on the device, for propose() to take (module
@@ -216,7 +220,7 @@ class DraftModelProposer(Proposer):
         blocked, each with KV slots for the longest k, as in _propose_on_device, which this
         runs on the sequences with emitted[i] appended for the while."""
         self.drop_ahead()
-        if (not self.launch_ahead_enabled or not self.device_proposals or not seqs
+        if (not self.launches_ahead or not seqs
                 or not all(is_plain_greedy(s.params) for s in seqs)
                 or any(self.blocked_token_ids(s, len(t)) for s, t in zip(seqs, emitted,
                                                                         strict=True))

@@ -196,7 +196,7 @@ class SpeculationDriver:
             proposals[i] = tokens[:k]  # a proposer never gets to run past the limits above
         pending = (None if out.device_tokens is None
                    else scatter_rows(out.device_tokens, rows, len(sampled)))  # [S, K]
-        if pending is not None:
+        if pending is not None and self.proposer.launches_ahead:
             self._launch = (max(ks), {seq.seq_id for seq, k in zip(seqs, ks, strict=True) if k})
         if self._step is not None:
             self._step.num_proposals = sum(len(p) for p in proposals)

@@ -69,6 +69,11 @@ class Proposer(ABC):
         """The sequence finished, was aborted or was preempted: drop its state."""
         return None
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether launch_ahead does anything (the driver skips preparing it otherwise)."""
+        return False
+
     def launch_ahead(self, seqs: list[Sequence], ks: list[int], emitted: list[list[int]],
                      verified: list[tuple[int, int]]) -> None:
         """Right after a step's verification, before its commits: start the next step's
