@@ -162,3 +162,16 @@ def test_scatter_rows_places_a_subset_and_passes_a_full_batch_through():
     assert scatter_rows(values, [0, 1], 2) is values
     probs = torch.rand(1, 2, 5)  # [A=1, K, V]
     assert torch.equal(scatter_rows(probs, [2], 3)[2], probs[0])
+
+
+def test_index_tensor_is_made_once_per_list():
+    from specserve.worker import transfer
+
+    first = transfer.index_tensor([3, 1, 4], "cpu")
+    assert first.dtype == torch.int64 and first.tolist() == [3, 1, 4]
+    assert transfer.index_tensor((3, 1, 4), "cpu") is first  # the same list: the same tensor
+    assert transfer.index_tensor([3, 1], "cpu").tolist() == [3, 1]
+    for n in range(transfer.INDEX_CACHE_SIZE + 1):  # bounded: it starts over when full
+        transfer.index_tensor([n], "cpu")
+    assert len(transfer._index_cache) <= transfer.INDEX_CACHE_SIZE
+    assert transfer.index_tensor([3, 1, 4], "cpu").tolist() == [3, 1, 4]

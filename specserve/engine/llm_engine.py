@@ -33,7 +33,7 @@ from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
-from specserve.worker.transfer import to_device
+from specserve.worker.transfer import index_tensor
 
 logger = logging.getLogger(__name__)
 # Draft forwards served by CUDA graphs: up to this many tokens per sequence. A proposal step
@@ -425,9 +425,9 @@ class LLMEngine:
                 i += 1
             offset += len(run.token_ids)
         device = pending.device
-        values = pending.flatten()[to_device(src, torch.int64, device)]  # [P]
+        values = pending.flatten()[index_tensor(src, device)]  # [P]
         tokens = self.runner.execute_argmax_device(
-            runs, fed=(to_device(rows, torch.int64, device), values))  # [R]
+            runs, fed=(index_tensor(rows, device), values))  # [R]
         read = torch.cat([values, tokens]).tolist()  # the step's one read
         values_host, row_tokens = read[: len(src)], read[len(src):]
         j = 0

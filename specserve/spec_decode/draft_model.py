@@ -36,7 +36,7 @@ from specserve.sample.sampler import probs_from_final_logits, sample
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.verifier import is_plain_greedy
 from specserve.worker.model_runner import ModelRunner, SequenceRun
-from specserve.worker.transfer import scatter_rows, to_device
+from specserve.worker.transfer import index_tensor, scatter_rows
 
 
 @dataclasses.dataclass
@@ -280,7 +280,7 @@ class DraftModelProposer(Proposer):
         ahead.saved = {s: c for s, c in ahead.saved.items() if s not in proposing}
         tokens = ahead.proposals.device_tokens  # [A, K]
         if rows != list(range(tokens.shape[0])):
-            tokens = tokens[to_device(rows, torch.int64, tokens.device)]  # [len(rows), K]
+            tokens = tokens[index_tensor(rows, tokens.device)]  # [len(rows), K]
         return DraftProposals([[0] * max(k, 0) for k in max_tokens], None,
                               ahead.proposals.num_catch_up_tokens,
                               scatter_rows(tokens, active, len(seqs)))  # [S, K]

@@ -17,7 +17,7 @@ from specserve.model.layers import fused_argmax
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
 from specserve.worker.cuda_graphs import CudaGraphRunner
 from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
-from specserve.worker.transfer import to_device
+from specserve.worker.transfer import index_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class ModelRunner:
             base += len(run.token_ids)
         if rows == list(range(base)):
             return None
-        return to_device(rows, torch.int64, self.device)
+        return index_tensor(rows, self.device)
 
 
 def _dummy_runs(query_lens: list[int], block_size: int, all_logits: bool) -> list[SequenceRun]:
@@ -323,4 +323,4 @@ def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     no copy at all when rows are every row in order (plain decoding)."""
     if rows == list(range(logits.shape[0])):
         return logits
-    return logits[to_device(rows, torch.int64, logits.device)]
+    return logits[index_tensor(rows, logits.device)]

@@ -24,6 +24,26 @@ def to_device(data: Sequence | torch.Tensor, dtype: torch.dtype,
     return host.pin_memory().to(device, non_blocking=True)
 
 
+INDEX_CACHE_SIZE = 256  # distinct index lists kept on the device (then the cache starts over)
+_index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def index_tensor(rows: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """rows as an int64 index tensor on `device`, made once per distinct list and reused:
+    never write into it. Why: a step's row indices (which packed rows hold proposals, which
+    rows need logits) follow the batch's shape and repeat step after step, and each fresh copy
+    (a tensor built from a list, pinned, copied) cost ~30-50 us of host time on the H200 host,
+    several per speculative step, on the path that keeps the GPU waiting."""
+    device = torch.device(device)
+    key = (device, tuple(rows))
+    index = _index_cache.get(key)
+    if index is None:
+        if len(_index_cache) >= INDEX_CACHE_SIZE:
+            _index_cache.clear()
+        index = _index_cache[key] = to_device(key[1], torch.int64, device)
+    return index
+
+
 def scatter_rows(values: torch.Tensor, rows: Sequence[int], total: int) -> torch.Tensor:
     """values [A, ...] as rows `rows` (increasing) of a zero tensor [total, ...] on its device.
     When the rows are all of 0 .. total - 1 that is values itself: no device work (a draft
@@ -31,5 +51,5 @@ def scatter_rows(values: torch.Tensor, rows: Sequence[int], total: int) -> torch
     if len(rows) == total:  # increasing indices below total: exactly 0 .. total - 1
         return values
     out = values.new_zeros(total, *values.shape[1:])
-    out[to_device(rows, torch.int64, values.device)] = values
+    out[index_tensor(rows, values.device)] = values
     return out
