@@ -41,7 +41,8 @@ from specserve.worker.transfer import index_tensor, scatter_rows
 
 @dataclasses.dataclass
 class _Ahead:
-    """Proposals launched at the end of the last step (DraftModelProposer.launch_ahead)."""
+    """Proposals launched right after the last step's verification (DraftModelProposer.
+    launch_ahead), for the step after it."""
 
     rows: dict[int, int]  # seq_id -> its row of proposals.device_tokens
     ks: list[int]  # per row: proposals drafted
@@ -71,8 +72,9 @@ class DraftModelProposer(Proposer):
         self.multi_step = True
         # ... and, where the engine verifies greedily, left on the device for verification.
         self.device_proposals = True
-        # Launch the next step's proposals at the end of a step (module docstring). Only where
-        # the device runs them while the host works on: on a CPU it would only move the work.
+        # Launch the next step's proposals right after a step's verification (module
+        # docstring). Only where the device runs them while the host works on: on a CPU it
+        # would only move the work.
         self.launch_ahead_enabled = runner.device.type == "cuda"
         self._ahead: _Ahead | None = None
         # sequences whose verification launch_ahead already applied (on_verified skips them)

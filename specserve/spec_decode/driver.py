@@ -217,9 +217,10 @@ class SpeculationDriver:
         this step's longest k for every sequence that proposed and may go on (within its
         limits once this step's tokens are in), so that the device drafts them while the
         host commits, detokenizes, schedules, plans and prepares the next target pass. On the
-        H200 at batch 32 a cap-1 step took 7.4 ms against 5.5 for a plain one; the draft's
-        forward is ~1.1 ms of GPU time that ran after all of that host work. A step that
-        plans other lengths, or none, drops them (propose)."""
+        H200 at batch 32 a cap-1 step took 8.2 ms against 5.65 for a plain one when the
+        draft's forward (~1.1 ms of GPU time) ran after all of that host work, 7.3 ms
+        launched here (BENCHMARKS.md, session 18). A step that plans other lengths, or none,
+        drops them (propose)."""
         launch, self._launch = self._launch, None
         if launch is None or self._settled_newest is not None:
             return
