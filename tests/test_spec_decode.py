@@ -421,6 +421,9 @@ def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
         return out
 
     proposer._take_ahead = spy
+    extend = proposer._extend
+    extended = []
+    proposer._extend = lambda *args: extended.append(1) or extend(*args)
     if limit is not None:
         plain_limit = driver._limit
         driver._limit = lambda s, b: min(plain_limit(s, b), limit(s.seq))
@@ -429,7 +432,7 @@ def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
     assert proposer._ahead is None  # nothing left in flight once every request is done
     assert not proposer._verified_early
     assert all(not s.block_table for s in proposer.shadows.values())
-    return _tokens(outs), stats, taken
+    return _tokens(outs), stats, taken, len(extended)
 
 
 @pytest.mark.parametrize("draft_name", ["tiny_llama", "tiny_llama_draft"])
@@ -456,10 +459,12 @@ def test_proposals_launched_ahead_change_nothing(tiny_llama, draft_name, request
         assert sum(on[2]) >= 0.8 * len(on[2])  # ... and taken
 
 
-def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, test_prompts):
-    """When the next step wants more tokens than were launched, or none from some sequences,
-    the launched proposals are dropped (or those rows' shadows put back) and the draft's state
-    is exactly as if nothing had been launched: same tokens and acceptance as without."""
+def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, tiny_llama_draft,
+                                                        test_prompts):
+    """When the next step wants more tokens than were launched the window is continued, when
+    it wants none from some sequences their shadows are put back, and when nothing fits the
+    launch is dropped: the draft's state is exactly as if nothing had been launched, same
+    tokens and acceptance as without."""
     prompts = test_prompts[:5]
     params = _greedy(26)
     plain = _tokens(tiny_llm(tiny_llama).generate(prompts, params, use_tqdm=False))
@@ -472,6 +477,16 @@ def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, test_prompts
     assert off[0] == on[0] == plain
     assert off[1] == on[1]
     assert any(on[2]) and not all(on[2])  # some taken, some dropped
+
+    def rising(seq):  # one sequence: its k often rises above the launched one
+        return 1 + (seq.num_tokens // 2) % 3
+
+    for draft in (tiny_llama, tiny_llama_draft):
+        off = _ahead_run(tiny_llama, draft, prompts[:1], params, False, 3, rising)
+        on = _ahead_run(tiny_llama, draft, prompts[:1], params, True, 3, rising)
+        assert off[0] == on[0] == plain[:1]
+        assert off[1] == on[1]
+        assert on[3] > 0  # some windows continued past the launched k
 
 
 def test_proposals_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_reference,

@@ -91,12 +91,13 @@ class ReplayProposer(DraftModelProposer):
         probs, _ = super()._step_tokens(seqs, drafted, runs, greedy)  # the real draft cost
         return probs, [self._replay(s, len(d)) for s, d in zip(seqs, drafted, strict=True)]
 
-    def _device_tokens(self, seqs: list[Seq], active: list[int], tokens):
+    def _device_tokens(self, seqs: list[Seq], active: list[int], tokens,
+                       first_position: int = 0):
         """The real drafting ran on the device (its cost); its tokens are replaced by replayed
         ones, drawn in the host path's order (proposal 1 of every sequence, then the rest)."""
-        k_max = tokens.shape[1]
-        first = [self._replay(seqs[i], 0) for i in active]
-        rest = [[self._replay(seqs[i], j) for j in range(1, k_max)] for i in active]
+        k, end = first_position, first_position + tokens.shape[1]
+        first = [self._replay(seqs[i], k) for i in active]
+        rest = [[self._replay(seqs[i], j) for j in range(k + 1, end)] for i in active]
         host = [[f, *r] for f, r in zip(first, rest, strict=True)]
         return to_device(host, tokens.dtype, tokens.device)
 

@@ -19,8 +19,9 @@ On a GPU the next step's proposals are launched as soon as a step's verification
 (``launch_ahead``), before its tokens are committed: the draft's forwards then run while the host
 commits and detokenizes, schedules, plans and prepares the next target pass, instead of after
 all of that. The next step takes them if it proposes for the same sequences at their launched
-lengths and no more tokens each; otherwise they are dropped and the shadows put back
-(``drop_ahead``). A sequence that a stop ends in the commit just leaves its row unused.
+lengths (fewer tokens each: a prefix; more: the window continues); otherwise they are dropped
+and the shadows put back (``drop_ahead``). A sequence that a stop ends in the commit just leaves
+its row unused.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class _Ahead:
     launch_ahead), for the step after it."""
 
     rows: dict[int, int]  # seq_id -> its row of proposals.device_tokens
-    ks: list[int]  # per row: proposals drafted
     num_tokens: list[int]  # per row: the sequence's length at launch
     saved: dict[int, int]  # seq_id -> its shadow's computed tokens before the launch
     proposals: DraftProposals  # device_tokens [A, K]
@@ -239,7 +239,7 @@ class DraftModelProposer(Proposer):
             if not all(self._fits(s, k_max) and self._reserve(s, k_max) for s in seqs):
                 self._restore(saved)
                 return
-            self._ahead = _Ahead({s.seq_id: i for i, s in enumerate(seqs)}, list(ks),
+            self._ahead = _Ahead({s.seq_id: i for i, s in enumerate(seqs)},
                                  [s.num_tokens for s in seqs], saved,
                                  self._propose_on_device(seqs, list(ks), k_max))
         finally:
@@ -262,34 +262,59 @@ class DraftModelProposer(Proposer):
                 self.block_manager.rollback(shadow, computed)
 
     def _take_ahead(self, seqs: list[Sequence], max_tokens: list[int]) -> DraftProposals | None:
-        """The launched proposals as this step's, if every proposing sequence was launched
-        at its current length with at least its k now (a shorter k is a prefix of the same
-        drafted tokens); else None. Launched sequences that do not propose now get their
-        shadows back; the others keep theirs (on_verified rolls them back as usual)."""
+        """The launched proposals as this step's, if every proposing sequence was launched at
+        its current length; else None. Every launched row holds the launch's longest k
+        (shorter ones rode along in its window, as in _propose_on_device): a shorter k now
+        is a prefix of them, a longer one continues the window (_extend). Launched sequences
+        that do not propose now get their shadows back; the others keep theirs (on_verified
+        rolls them back as usual)."""
         ahead = self._ahead
         rows, active = [], []
         for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True)):
             if k <= 0:
                 continue
             row = ahead.rows.get(seq.seq_id)
-            if row is None or k > ahead.ks[row] or seq.num_tokens != ahead.num_tokens[row]:
+            if row is None or seq.num_tokens != ahead.num_tokens[row]:
                 return None
             rows.append(row)
             active.append(i)
         if not rows:
             return None
+        tokens = ahead.proposals.device_tokens  # [A, K]
+        k_max = max(max_tokens)
+        longer = k_max > tokens.shape[1]
+        if longer and not all(self._fits(seqs[i], k_max) and self._reserve(seqs[i], k_max)
+                              for i in active):
+            return None
         proposing = {seqs[i].seq_id for i in active}
         ahead.saved = {s: c for s, c in ahead.saved.items() if s not in proposing}
-        tokens = ahead.proposals.device_tokens  # [A, K]
         if rows != list(range(tokens.shape[0])):
             tokens = tokens[index_tensor(rows, tokens.device)]  # [len(rows), K]
+        if longer:
+            tokens = self._extend([seqs[i] for i in active], tokens, k_max)  # [.., k_max]
         return DraftProposals([[0] * max(k, 0) for k in max_tokens], None,
                               ahead.proposals.num_catch_up_tokens,
                               scatter_rows(tokens, active, len(seqs)))  # [S, K]
 
-    def _device_tokens(self, seqs: list[Sequence], active: list[int],
-                       tokens: torch.Tensor) -> torch.Tensor:
-        """The proposals [A, k_max] drafted on the device (a hook for the benchmark replay)."""
+    def _extend(self, seqs: list[Sequence], tokens: torch.Tensor, k_max: int) -> torch.Tensor:
+        """Launched proposals tokens [A, k] continued to k_max per sequence, on the device:
+        the draft has fed each sequence's last committed token and proposals 1..k-1, so a
+        window of k_max - k steps fed proposal k onwards drafts the rest, as the window of a
+        fresh proposal would (at batch 32 on the H200 the cap rose in 4-8 % of speculative
+        steps; dropping the launch there re-ran the draft's first forward as well)."""
+        k = tokens.shape[1]
+        window = [SequenceRun([0], seq.num_tokens + k - 1, self.shadows[seq.seq_id].block_table,
+                              [0]) for seq in seqs]
+        more = self.runner.execute_argmax_steps_device(window, k_max - k, tokens[:, -1])
+        for seq in seqs:
+            self.shadows[seq.seq_id].num_computed_tokens = seq.num_tokens + k_max - 1
+        more = self._device_tokens(seqs, list(range(len(seqs))), more.T, first_position=k)
+        return torch.cat([tokens, more], dim=1)  # [A, k_max]
+
+    def _device_tokens(self, seqs: list[Sequence], active: list[int], tokens: torch.Tensor,
+                       first_position: int = 0) -> torch.Tensor:
+        """The proposals [A, K] drafted on the device, proposals first_position + 1 .. of
+        each (a hook for the benchmark replay)."""
         return tokens
 
     def _fits(self, seq: Sequence, k: int) -> bool:
