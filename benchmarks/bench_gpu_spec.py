@@ -595,30 +595,39 @@ def add_and_skip(engine, prompts: list[list[int]], params: SamplingParams, tag: 
     sync()
 
 
+def timed_steps(engine, steps: int, profile: bool = False):
+    """(wall seconds per engine step over `steps` steps, synced at the end; the cProfile of
+    them when profile, else None)."""
+    import cProfile
+
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    if prof is not None:
+        prof.disable()
+    return (time.perf_counter() - t0) / steps, prof
+
+
 def profile_steady_steps(engine, prompts: list[list[int]], new_tokens: int, out: Path | None,
                          skip: int = 20, steps: int = 40) -> list[str]:
     """Host time of a batch-32 speculative run in its steady state (after ``skip`` steps): the
     Python functions by cumulative time over ``steps`` steps (cProfile), beside the steps' wall
     time, to show what the host does beyond the GPU's work."""
-    import cProfile
     import io
     import pstats
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     add_and_skip(engine, prompts, params, "steady", skip)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    prof.disable()
-    wall = time.perf_counter() - t0
+    wall, prof = timed_steps(engine, steps, profile=True)
     while engine.has_unfinished_requests():
         engine.step()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
-    lines = [f"{steps} steps after {skip}: {1e3 * wall / steps:.2f} ms per step under cProfile",
+    lines = [f"{steps} steps after {skip}: {1e3 * wall:.2f} ms per step under cProfile",
              *text.getvalue().splitlines()]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -635,7 +644,6 @@ def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: i
     `steps` steps sorted by own time, beside the wall time per step of as many steps without
     the profiler. What a speculative step's host does that a plain step's does not is what
     keeps a cap near break-even where verification is not free (batch 32)."""
-    import cProfile
     import io
     import pstats
 
@@ -655,19 +663,8 @@ def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: i
             capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
             with wrapped(driver, "_limit", capped):
                 add_and_skip(engine, prompts, params, f"pcap{cap}", skip)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                sync()
-                wall = (time.perf_counter() - t0) / steps
-                prof = cProfile.Profile()
-                t0 = time.perf_counter()
-                prof.enable()
-                for _ in range(steps):
-                    engine.step()
-                sync()
-                prof.disable()
-                profiled = (time.perf_counter() - t0) / steps
+                wall, _ = timed_steps(engine, steps)
+                profiled, prof = timed_steps(engine, steps, profile=True)
                 while engine.has_unfinished_requests():
                     engine.step()
             text = io.StringIO()
