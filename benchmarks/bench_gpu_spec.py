@@ -944,8 +944,9 @@ def main() -> int:
                          "host and GPU-idle time per "
                          "engine phase (step_timeline.py)")
     ap.add_argument("--profile-caps", action="store_true",
-                    help="after section 4: cProfile (own time per function) of steady "
-                         "batch-32 and batch-1 steps, plain and at a fixed cap 1 (a = 0.5)")
+                    help="after section 4: wall time and cProfile (own time per function) "
+                         "of steady batch-32 and batch-1 steps, plain and at fixed caps 1 and "
+                         "4 (a = 0.5), each with the draft's proposals launched ahead and not")
     ap.add_argument("--settled-ab", action="store_true",
                     help="after section 4: batch-32 runs of plain decoding twice (an A/A "
                          "control) and of a batch settled on plain decoding in the speculative "
