@@ -660,7 +660,8 @@ def profile_caps(engine, driver, replay, prompts: list[list[int]], new_tokens: i
         for cap, ahead in caps:
             replay.launch_ahead_enabled = ahead
             engine.speculation = driver if cap else None
-            capped = lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b))  # noqa: E731
+            capped = lambda limit, cap=cap: lambda s, b, extra=0: min(  # noqa: E731
+                cap, limit(s, b, extra))
             with wrapped(driver, "_limit", capped):
                 add_and_skip(engine, prompts, params, f"pcap{cap}", skip)
                 wall, _ = timed_steps(engine, steps)
@@ -720,7 +721,8 @@ def timeline(engine, driver, replay, adaptive, prompts: list[list[int]], new_tok
                 start_settled(adaptive)
             engine.speculation = driver if cap else None
             capped = (lambda limit: limit) if settled else (
-                lambda limit, cap=cap: lambda s, b: min(cap, limit(s, b)))  # noqa: E731
+                lambda limit, cap=cap: lambda s, b, extra=0: min(  # noqa: E731
+                    cap, limit(s, b, extra)))
             with wrapped(driver, "_limit", capped):
                 add_and_skip(engine, prompts, params, f"timeline{cap}", skip)
                 if settled:

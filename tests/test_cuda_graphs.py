@@ -169,6 +169,7 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     from helpers import tiny_llm
 
     from specserve import SamplingParams
+    from specserve.engine import verify_ahead
     from specserve.spec_decode.draft_model import DraftModelProposer
     from specserve.worker.model_runner import ModelRunner
 
@@ -183,6 +184,15 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
         return out
 
     monkeypatch.setattr(DraftModelProposer, "_take_ahead", spy)
+    verified_ahead: list[bool] = []
+    take_verify = verify_ahead.take
+
+    def spy_verify(*args):
+        out = take_verify(*args)
+        verified_ahead.append(out is not None)
+        return out
+
+    monkeypatch.setattr(verify_ahead, "take", spy_verify)
 
     def force_padded_path(self, *args, **kwargs):
         used.append(1)
@@ -193,8 +203,9 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
 
     def generate(ahead: bool = False, **kwargs):
         llm = tiny_llm(tiny_llama, max_model_len=128, **kwargs)
-        if ahead:  # the draft's proposals launched right after each verification
-            llm.llm_engine.speculation.proposer.launch_ahead_enabled = True
+        if ahead:  # the draft's proposals launched right after each verification, and the
+            llm.llm_engine.speculation.proposer.launch_ahead_enabled = True  # next verify
+            llm.llm_engine.verify_ahead_enabled = True
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
@@ -205,6 +216,7 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
         assert generate(ahead, speculative_model=str(tiny_llama_draft),
                         num_speculative_tokens=3, speculative_adaptive=False) == reference
     assert taken and all(taken)  # launched proposals were taken, from the graph path
+    assert verified_ahead and all(verified_ahead)  # ... and verifications launched ahead
     assert generate(num_scheduler_steps=5) == reference  # tokens fed back in the buffer
     assert len(used) == 6  # plain target; target + draft, twice; multi-step target
 

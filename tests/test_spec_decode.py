@@ -519,3 +519,109 @@ def test_proposals_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_
     assert engine.block_manager.num_free_blocks == 24
     assert proposer.block_manager.num_free_blocks == 24
     assert not proposer.shadows and proposer._ahead is None and not proposer._verified_early
+
+
+def _verify_ahead_run(target, draft, prompts, params, ahead: bool, k: int,
+                      adaptive: bool = False):
+    """Greedy generation with a draft, its proposals launched a step ahead, and the next
+    verification too or not (engine/verify_ahead.py); returns the tokens, the speculation
+    counters and, per step with a verification launched ahead, whether it was used."""
+    from specserve.engine import verify_ahead
+
+    llm = tiny_llm(target, speculative_model=str(draft), num_speculative_tokens=k,
+                   speculative_adaptive=adaptive)
+    engine = llm.llm_engine
+    engine.speculation.proposer.launch_ahead_enabled = True  # (off the GPU both are off)
+    engine.verify_ahead_enabled = ahead
+    taken = []
+    take = verify_ahead.take
+
+    def spy(*args):
+        out = take(*args)
+        taken.append(out is not None)
+        return out
+
+    verify_ahead.take = spy
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        verify_ahead.take = take
+    stats = llm.get_metrics()["spec_decode"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.speculation._recorded_early
+    return _tokens(outs), stats, taken
+
+
+@pytest.mark.parametrize("draft_name", ["tiny_llama", "tiny_llama_draft"])
+def test_verification_launched_ahead_changes_nothing(tiny_llama, draft_name, request,
+                                                     test_prompts):
+    """The next step's verification launched at the end of a step (with its proposals,
+    planned then) gives the tokens and, at a fixed k, every proposal and acceptance count of
+    verifying in the step itself; sequences finishing at different steps (max_tokens, a stop
+    token inside an accepted run) leave the others' launched rows usable."""
+    draft = request.getfixturevalue(draft_name)
+    prompts = test_prompts[:6]
+    params = [_greedy(n) for n in (30, 7, 19, 30, 12, 25)]
+    plain_llm = tiny_llm(tiny_llama)
+    stop_id = plain_llm.generate(prompts[3], params[3], use_tqdm=False)[0].outputs[0].token_ids[9]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                               stop_token_ids=[stop_id])
+    plain = _tokens(plain_llm.generate(prompts, params, use_tqdm=False))
+    for k in (1, 3):
+        off = _verify_ahead_run(tiny_llama, draft, prompts, params, False, k)
+        on = _verify_ahead_run(tiny_llama, draft, prompts, params, True, k)
+        assert off[0] == on[0] == plain
+        assert off[1] == on[1]  # every proposal and acceptance count
+        assert not off[2] and len(on[2]) >= 5  # launched ...
+        assert sum(on[2]) >= 0.8 * len(on[2])  # ... and used
+
+
+def test_verification_launched_ahead_with_the_adaptive_policy(tiny_llama, tiny_llama_draft,
+                                                              test_prompts):
+    """With the adaptive policy planning each step when the last verification is read: the
+    tokens are plain decoding's, the launched verifications are used, and every KV block
+    comes back (_verify_ahead_run)."""
+    prompts = test_prompts[:8]
+    params = _greedy(40)
+    plain = _tokens(tiny_llm(tiny_llama).generate(prompts, params, use_tqdm=False))
+    for draft in (tiny_llama, tiny_llama_draft):
+        tokens, stats, taken = _verify_ahead_run(tiny_llama, draft, prompts, params, True, 4,
+                                                 adaptive=True)
+        assert tokens == plain
+        assert stats["num_draft_tokens"] > 0
+        assert taken and sum(taken) >= 0.5 * len(taken), taken
+
+
+def test_verification_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_reference,
+                                                                  test_prompts):
+    """Sequences preempted or aborted while the next verification is in flight: the others'
+    output is unchanged and every KV block of target and draft comes back."""
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   speculative_adaptive=False, num_gpu_blocks_override=24, max_model_len=256)
+    engine = llm.llm_engine
+    proposer = engine.speculation.proposer
+    proposer.launch_ahead_enabled = True
+    engine.verify_ahead_enabled = True
+    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
+    assert engine.scheduler.num_preemptions > 0
+
+    params = _greedy(REF_TOKENS)
+    for i in range(6):
+        engine.add_request(f"r{i}", test_prompts[i], params)
+    aborted, outputs, steps, in_flight = {"r1", "r4"}, {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        in_flight += engine._verify_ahead is not None
+        if steps == 6:
+            assert engine._verify_ahead is not None  # the next verification is in flight
+            for request_id in aborted:
+                engine.abort_request(request_id)
+    assert in_flight > steps // 2
+    for i in range(6):
+        if f"r{i}" not in aborted:
+            assert outputs[f"r{i}"] == llama_reference[i]
+    assert engine.block_manager.num_free_blocks == 24
+    assert proposer.block_manager.num_free_blocks == 24
+    assert not proposer.shadows and proposer._ahead is None and not proposer._verified_early

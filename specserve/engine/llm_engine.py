@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import EngineArgs, resolve_device, resolve_dtype
+from specserve.engine import verify_ahead
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import Detokenizer, DetokenizerState
 from specserve.engine.output_processor import OutputProcessor
@@ -138,6 +139,10 @@ class LLMEngine:
             acceptance_method=spec.acceptance_method if spec else "rejection_sampler",
             posterior_threshold=spec.posterior_threshold if spec else 0.09,
             posterior_alpha=spec.posterior_alpha if spec else 0.3)
+        # The next verification launched at the end of a step (engine/verify_ahead.py): on
+        # CUDA, where the GPU runs it while the host commits; on a CPU it would only move work.
+        self._verify_ahead: verify_ahead.VerifyAhead | None = None
+        self.verify_ahead_enabled = self.device.type == "cuda"
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
@@ -276,9 +281,22 @@ class LLMEngine:
             metrics["spec_decode"] = self.speculation.stats()
         return metrics
 
+    @property
+    def verify_ahead_enabled(self) -> bool:
+        """Whether a closed greedy batch of a draft model launches each step's verification at
+        the end of the step before (engine/verify_ahead.py; on by default on CUDA)."""
+        return self._verify_ahead_enabled
+
+    @verify_ahead_enabled.setter
+    def verify_ahead_enabled(self, enabled: bool) -> None:
+        self._verify_ahead_enabled = enabled
+        if self.speculation is not None:
+            self.speculation.plans_ahead = enabled
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
+        ahead, self._verify_ahead = self._verify_ahead, None
         if self.speculation is not None:  # (never with multi-step decoding: checked above)
             self.scheduler.num_lookahead_slots = (
                 self.lookahead_slots if self.speculation.wants_lookahead() else 0)
@@ -314,7 +332,12 @@ class LLMEngine:
         elif pending is not None:
             # Proposals still on the device: fed into the verification pass there, read back
             # with its argmax tokens (the step's one sync); the placeholders get their values.
-            verified = self._verify_on_device(sched.scheduled, runs, proposals, pending)
+            # That pass may have been launched at the end of the last step (verify_ahead).
+            row_tokens = None if ahead is None else verify_ahead.take(
+                ahead, sched.scheduled, proposals, self.speculation.proposer.took_ahead)
+            verified = (self._verify_on_device(sched.scheduled, runs, proposals, pending)
+                        if row_tokens is None
+                        else self.verifier.accept_greedy(proposals, row_tokens))
         elif argmax_rows and not prompt_rows:
             # Greedy fast path: the target pass returns each row's argmax token, not logits
             # (ONE pass still scores everything; its token read is the step's one sync).
@@ -328,8 +351,13 @@ class LLMEngine:
                 logprobs = compute_logprobs(sample_logits)  # [sum(k_i + 1), vocab]
         if pending is not None:
             # the next step's draft proposals start on the device now, while this step's
-            # tokens are committed (SpeculationDriver.launch_ahead)
-            self.speculation.launch_ahead(sampled, proposals, verified)
+            # tokens are committed (SpeculationDriver.launch_ahead), and in a closed batch of
+            # decodes its verification too (verify_ahead)
+            closed = (self.verify_ahead_enabled and not self.scheduler.waiting
+                      and len(sampled) == len(sched.scheduled))
+            plan = self.speculation.launch_ahead(sampled, proposals, verified, closed)
+            if plan is not None:
+                self._launch_verify_ahead(sampled, verified.emitted, plan)
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             req = self.requests[s.seq.request_id]
@@ -355,7 +383,10 @@ class LLMEngine:
                 self._free_proposer_state(s.seq)
                 self.scheduler.finish(s.seq)
             else:
-                self.block_manager.rollback(s.seq, s.seq.num_tokens)  # unused lookahead slots
+                keep = s.seq.num_tokens  # unused lookahead slots go back
+                if self._verify_ahead is not None:  # ... but not those the next pass uses
+                    keep = max(keep, self._verify_ahead.keep_slots(s.seq.seq_id))
+                self.block_manager.rollback(s.seq, keep)
                 self.block_manager.register_computed_blocks(s.seq)
         outputs = [self._make_output(req) for req in touched.values()]
         if self.speculation is not None:
@@ -365,6 +396,15 @@ class LLMEngine:
             self.speculation.observe_step(time.perf_counter() - t_step)
             self.speculation.metrics.maybe_log()
         return outputs
+
+    def _launch_verify_ahead(self, sampled: list[ScheduledSequence], emitted: list[list[int]],
+                             plan: dict[int, int]) -> None:
+        """Launch the next step's verification pass now (engine/verify_ahead.py)."""
+        proposing = [s.seq for s in sampled if plan[s.seq.seq_id]]
+        launched = self.speculation.proposer.launched_tokens(proposing)
+        if launched is not None:
+            self._verify_ahead = verify_ahead.launch(self.runner, self.block_manager, sampled,
+                                                     emitted, plan, launched)
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
                 num_accepted: int, logprobs: torch.Tensor | None) -> None:

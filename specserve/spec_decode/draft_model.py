@@ -77,6 +77,7 @@ class DraftModelProposer(Proposer):
         # would only move the work.
         self.launch_ahead_enabled = runner.device.type == "cuda"
         self._ahead: _Ahead | None = None
+        self._took_ahead = False  # the last propose() returned the launched proposals
         # sequences whose verification launch_ahead already applied (on_verified skips them)
         self._verified_early: set[int] = set()
 
@@ -129,10 +130,12 @@ class DraftModelProposer(Proposer):
         greedy = all(is_plain_greedy(s.params) for s in seqs)
         on_device = (on_device and self.device_proposals and greedy
                      and not any(self.blocked_token_ids(s, 0) for s in seqs))
+        self._took_ahead = False
         if self._ahead is not None:
             taken = self._take_ahead(seqs, max_tokens) if on_device else None
             self.drop_ahead()
             if taken is not None:
+                self._took_ahead = True
                 return taken
         # A greedy batch may draft proposals 2..k of every sequence in one window of the
         # longest k (shorter ones are cut afterwards): each gets KV slots for that k.
@@ -245,6 +248,22 @@ class DraftModelProposer(Proposer):
         finally:
             for seq, tokens in zip(seqs, emitted, strict=True):
                 del seq.token_ids[len(seq.token_ids) - len(tokens):]  # the commit adds them
+
+    def launched_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        ahead = self._ahead
+        if ahead is None or not seqs:
+            return None
+        rows = [ahead.rows.get(s.seq_id) for s in seqs]
+        if any(r is None for r in rows):
+            return None
+        tokens = ahead.proposals.device_tokens  # [A, K]
+        if rows == list(range(tokens.shape[0])):
+            return tokens
+        return tokens[index_tensor(rows, tokens.device)]  # [len(seqs), K]
+
+    @property
+    def took_ahead(self) -> bool:
+        return self._took_ahead
 
     def drop_ahead(self) -> None:
         """Forget proposals launched ahead that propose() did not take: their sequences'

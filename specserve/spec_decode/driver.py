@@ -39,6 +39,17 @@ class _Step:
     catch_up: int = 0  # a long draft catch-up's tokens, in a step of decodes only
 
 
+@dataclass
+class _Plan:
+    """The next step's proposals, planned as soon as this step's verification was read
+    (SpeculationDriver.launch_ahead with plans_ahead): what the proposals and the next
+    verification launched ahead were made for."""
+
+    ks: dict[int, tuple[int, int]]  # seq_id -> (its length once this step is committed, k)
+    cap: int | None  # the batch cap the plan ran (batch_cap.py)
+    settled: bool  # the plan settled the closed batch on plain decoding
+
+
 def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence]) -> bool:
     """The step runs only the batch's one-token decodes (no prompt chunks): its time is a
     decode/verify step's (_Step.pure)."""
@@ -69,10 +80,17 @@ class SpeculationDriver:
         # this step's proposals were drafted on the device: (their longest k, who proposed),
         # what launch_ahead starts for the next step
         self._launch: tuple[int, set[int]] | None = None
+        # Plan the next step when this one's verification is read (launch_ahead), so that
+        # the engine can launch the next verification pass ahead as well
+        # (engine/verify_ahead.py); that plan, and the sequences whose outcomes it recorded.
+        self.plans_ahead = False
+        self._next_plan: _Plan | None = None
+        self._recorded_early: set[int] = set()
 
     # ---- before the target pass ------------------------------------------------------------
-    def _limit(self, s: ScheduledSequence, batch_size: int) -> int:
-        """Hard cap on proposals for one decoding sequence (0: plain decode this step).
+    def _limit(self, s: ScheduledSequence, batch_size: int, extra: int = 0) -> int:
+        """Hard cap on proposals for one decoding sequence (0: plain decode this step); with
+        extra, for its next step once extra more tokens are committed (plan_ahead).
 
         A sequence of T tokens verifies positions T-1 .. T+k-1 and may gain k+1 tokens, so
         k <= max_model_len - T - 1 keeps every computed position below max_model_len - 1 and
@@ -81,21 +99,23 @@ class SpeculationDriver:
         seq, spec = s.seq, self.spec
         if spec.disable_by_batch_size is not None and batch_size >= spec.disable_by_batch_size:
             return 0
+        num_tokens = seq.num_tokens + extra
         k = s.num_lookahead
         if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        k = min(k, self.max_model_len - seq.num_tokens - 1)
-        if k > 0 and seq.num_tokens + k > self.spec_max_model_len:
-            k = self.spec_max_model_len - seq.num_tokens  # truncate at the speculative limit
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - extra - 1)
+        k = min(k, self.max_model_len - num_tokens - 1)
+        if k > 0 and num_tokens + k > self.spec_max_model_len:
+            k = self.spec_max_model_len - num_tokens  # truncate at the speculative limit
             if k <= 0:
                 self.metrics.total.num_past_spec_max_len += 1
         return max(k, 0)
 
-    def _remaining(self, seq: Sequence) -> int:
-        """Tokens a sequence may still generate: its max_tokens, or the context's end."""
-        left = self.max_model_len - seq.num_tokens
+    def _remaining(self, seq: Sequence, extra: int = 0) -> int:
+        """Tokens a sequence may still generate (once extra more are committed): its
+        max_tokens, or the context's end."""
+        left = self.max_model_len - seq.num_tokens - extra
         if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens - extra)
         return max(left, 0)
 
     def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
@@ -118,6 +138,7 @@ class SpeculationDriver:
                  ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
         proposals: list[list[int]] = [[] for _ in sampled]
         self._step = None
+        plan, self._next_plan = self._next_plan, None
         if self._settled_newest is not None:
             if closed and sampled and max(s.seq.seq_id for s in sampled) <= self._settled_newest:
                 # A draft model's closed batch settled on plain decoding (see below): no
@@ -138,6 +159,16 @@ class SpeculationDriver:
             # would blur them (B: decoding sequences, all of them sampling this step).
             self._step = _Step(len(decoding), 0, _decodes_only(len(decoding), scheduled))
         seqs = [s.seq for _, s in decoding]
+        if plan is not None and seqs and all(
+                plan.ks.get(seq.seq_id, (-1, 0))[0] == seq.num_tokens for seq in seqs):
+            # planned when the last verification was read (launch_ahead): its k for each
+            ks = [plan.ks[seq.seq_id][1] for seq in seqs]
+            if self._step is not None:
+                self._step.cap = plan.cap
+            self._settled_newest = max(seq.seq_id for seq in seqs) if plan.settled else None
+            if not any(ks):
+                return proposals, None, None
+            return self._proposals(decoding, seqs, ks, sampled, proposals, on_device)
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self._shadows:
             for seq in seqs:
@@ -189,6 +220,14 @@ class SpeculationDriver:
             self._step.cap = self.adaptive.last_cap
             if not any(ks):
                 return proposals, None, None
+        return self._proposals(decoding, seqs, ks, sampled, proposals, on_device)
+
+    def _proposals(self, decoding: list[tuple[int, ScheduledSequence]], seqs: list[Sequence],
+                   ks: list[int], sampled: list[ScheduledSequence],
+                   proposals: list[list[int]], on_device: bool
+                   ) -> tuple[list[list[int]], torch.Tensor | None, torch.Tensor | None]:
+        """The proposer's proposals for the decoding sequences at ks, into proposals (one
+        list per sampled sequence), with their distributions and device tokens."""
         out = self.proposer.propose(seqs, ks, on_device)
         rows = [i for i, _ in decoding]  # of sampled, increasing
         draft_probs = None if out.probs is None else scatter_rows(out.probs, rows, len(sampled))
@@ -211,7 +250,7 @@ class SpeculationDriver:
         return proposals, draft_probs, pending
 
     def launch_ahead(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
-                     verified: VerifyResult) -> None:
+                     verified: VerifyResult, closed: bool = False) -> dict[int, int] | None:
         """Right after this step's verification is read, before its commits: if its
         proposals were drafted on the device, have the proposer draft the next step's now, at
         this step's longest k for every sequence that proposed and may go on (within its
@@ -220,10 +259,19 @@ class SpeculationDriver:
         H200 at batch 32 a cap-1 step took 8.2 ms against 5.65 for a plain one when the
         draft's forward (~1.1 ms of GPU time) ran after all of that host work, 7.3 ms
         launched here (BENCHMARKS.md, session 18). A step that plans other lengths, or none,
-        drops them (propose)."""
+        drops them (propose).
+
+        With plans_ahead, in a closed batch nobody waits to join (closed): the next step is
+        planned here, from this step's outcomes (recorded now instead of at the commit), and
+        the proposals are launched at the planned k of each sequence; the next step runs that
+        plan if its sequences are still at these lengths. Returns {seq_id: planned k} for
+        every sampled sequence when proposals were launched for all that propose, so that
+        the engine can launch the next verification pass now too; else None."""
         launch, self._launch = self._launch, None
         if launch is None or self._settled_newest is not None:
-            return
+            return None
+        if self.plans_ahead and closed:
+            return self._launch_planned(sampled, proposals, verified)
         k_max, proposed = launch
         seqs, ks, emitted, counts = [], [], [], []
         for s, props, tokens, accepted in zip(sampled, proposals, verified.emitted,
@@ -241,6 +289,58 @@ class SpeculationDriver:
                 counts.append((len(props), accepted))
         if seqs:
             self.proposer.launch_ahead(seqs, ks, emitted, counts)
+        return None
+
+    def _launch_planned(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
+                        verified: VerifyResult) -> dict[int, int] | None:
+        """launch_ahead with plans_ahead: plan the next step, launch its proposals."""
+        plan = self._plan_ahead(sampled, proposals, verified)
+        self._next_plan = plan
+        seqs, ks, emitted, counts = [], [], [], []
+        for s, props, tokens, accepted in zip(sampled, proposals, verified.emitted,
+                                              verified.num_accepted, strict=True):
+            k = plan.ks[s.seq.seq_id][1]
+            if k > 0:
+                seqs.append(s.seq)
+                ks.append(k)
+                emitted.append(tokens)
+                counts.append((len(props), accepted))
+        if not seqs:
+            return None
+        self.proposer.launch_ahead(seqs, ks, emitted, counts)
+        if self.proposer.launched_tokens(seqs) is None:
+            return None
+        return {seq_id: k for seq_id, (_, k) in plan.ks.items()}
+
+    def _plan_ahead(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
+                    verified: VerifyResult) -> _Plan:
+        """The next step's k per sampled sequence, planned now as _propose would plan it once
+        this step's tokens are committed (a closed batch of plain greedy sequences). This
+        step's outcomes are recorded first (on_committed then skips them); its timing is not
+        in the cost model yet, so the plan lags the measurements by a step."""
+        batch = len(sampled)
+        extras = [len(tokens) for tokens in verified.emitted]
+        limits = [self._limit(s, batch, e) if s.num_lookahead > 0 else 0
+                  for s, e in zip(sampled, extras, strict=True)]
+        seqs = [s.seq for s in sampled]
+        cap, settled = None, False
+        if self.adaptive is None:
+            ks = limits
+        else:
+            for seq, props, accepted in zip(seqs, proposals, verified.num_accepted, strict=True):
+                if props:
+                    self.adaptive.record(seq.seq_id, len(props), accepted,
+                                         self._match_lengths.pop(seq.seq_id, 0))
+                    self._recorded_early.add(seq.seq_id)
+            ks = self.adaptive.plan(
+                [seq.seq_id for seq in seqs], limits, pinned=[False] * batch, plan_first=True,
+                closed=True, remaining=[self._remaining(seq, e)
+                                        for seq, e in zip(seqs, extras, strict=True)],
+                generated=[seq.num_output_tokens + e for seq, e in zip(seqs, extras,
+                                                                        strict=True)])
+            cap, settled = self.adaptive.last_cap, self.adaptive.settled_plain
+        return _Plan({seq.seq_id: (seq.num_tokens + e, k)
+                      for seq, e, k in zip(seqs, extras, ks, strict=True)}, cap, settled)
 
     def _skips_looking(self, ids: list[int], closed: bool, any_pinned: bool) -> bool:
         """Whether a draft-free step skips finding and pricing proposals: a closed batch of at
@@ -318,7 +418,9 @@ class SpeculationDriver:
         """A sequence's verified proposals (num_proposed >= 1) were committed."""
         self.proposer.on_verified(seq, num_tokens_before, num_proposed, num_accepted)
         self.metrics.record(num_proposed, num_accepted, num_committed)
-        if self.adaptive is not None:
+        if seq.seq_id in self._recorded_early:  # _plan_ahead recorded it
+            self._recorded_early.discard(seq.seq_id)
+        elif self.adaptive is not None:
             self.adaptive.record(seq.seq_id, num_proposed, num_accepted,
                                  self._match_lengths.pop(seq.seq_id, 0))
         metrics.num_spec_steps += 1
@@ -335,6 +437,7 @@ class SpeculationDriver:
         self.metrics.total.num_non_spec_decode_steps += count
 
     def free(self, seq: Sequence) -> None:
+        self._recorded_early.discard(seq.seq_id)
         self.proposer.free(seq)
         self._shadows.pop(seq.seq_id, None)
         self._match_lengths.pop(seq.seq_id, None)

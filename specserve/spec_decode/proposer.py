@@ -88,3 +88,16 @@ class Proposer(ABC):
         """Forget proposals launched ahead that propose() did not take (undoing any state
         the launch advanced)."""
         return None
+
+    def launched_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The proposals launch_ahead started for seqs, still on the device ([len(seqs), K],
+        row i for seqs[i], K the launch's longest k), or None unless every one of them was
+        launched: what the engine feeds into the next step's verification pass when it
+        launches that one ahead too (engine/verify_ahead.py)."""
+        return None
+
+    @property
+    def took_ahead(self) -> bool:
+        """Whether the last propose() returned the proposals launched ahead (so they are the
+        very tokens launched_tokens gave)."""
+        return False

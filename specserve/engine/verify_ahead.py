@@ -1,0 +1,116 @@
+"""The next step's verification pass, launched at the end of the step before it.
+
+Why: at batch 32 on an H200 a speculative step of a draft model (cap 1) took 8.75 ms of wall
+time for 6.66 ms of GPU work, where a plain step took 6.21 for 5.03 (BENCHMARKS.md, session 19):
+after a verification is read, the host commits and detokenizes the step's tokens, builds the
+outputs, schedules, plans and stages the next target pass, and while it does the GPU has only
+the draft's next forward to run (launched ahead, spec_decode/draft_model.py). So in a closed
+batch of plain greedy sequences (nobody waiting to join, every sequence decoding) the engine
+plans the next step right after the read (SpeculationDriver.launch_ahead with plans_ahead),
+launches the draft's proposals for it, and then launches the next verification pass as well,
+fed with those proposals on the device. The host's work for this step then runs while the GPU
+drafts and verifies the next one, and the next step only reads the result.
+
+What the pass was built for is checked before it is used: every scheduled sequence one of those
+it verified, at the length it was built for, decoding one token, with the planned number of
+proposals, taken from that very launch (Proposer.took_ahead), and its block table unchanged.
+Sequences that finished or were aborted in between are simply not read; anything else (a new
+sequence, a preemption, another plan) makes the step verify as usual, and the pass launched
+ahead is wasted work on the device, never a different result: it only ever computes what the
+step would have computed, in the same kind of pass.
+
+KV slots: the pass writes the KV of each sequence's last token and its proposals, so its
+blocks are grown for them when it is launched, and the step's rollback keeps them
+(``keep_slots``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.scheduler import ScheduledSequence
+from specserve.worker.model_runner import ModelRunner, SequenceRun
+from specserve.worker.transfer import index_tensor
+
+
+@dataclass
+class VerifyAhead:
+    """A verification pass launched ahead, and what it was built for (per seq_id)."""
+
+    lengths: dict[int, int]  # the sequence's length once the last step is committed
+    ks: dict[int, int]  # proposals it verifies
+    tables: dict[int, list[int]]  # the block-table prefix it wrote and read
+    value_start: dict[int, int]  # where its proposals start in values
+    row_start: dict[int, int]  # its first row in tokens
+    values: torch.Tensor  # [P] int64: the proposals fed, on the device
+    tokens: torch.Tensor  # [R] int64: the pass's argmax per row, on the device
+
+    def keep_slots(self, seq_id: int) -> int:
+        """KV slots of this sequence the pass uses (0 if it is not in the pass)."""
+        return self.lengths.get(seq_id, 0) + self.ks.get(seq_id, 0)
+
+
+def launch(runner: ModelRunner, block_manager: BlockManager,
+           sampled: list[ScheduledSequence], emitted: list[list[int]], plan: dict[int, int],
+           launched: torch.Tensor) -> VerifyAhead | None:
+    """Launch the verification of the next step: each sampled sequence's last token once
+    emitted[i] is committed, plus plan[seq_id] proposals taken from launched ([A, K]: the
+    draft's proposals launched ahead, one row per sequence with a proposal, in order). None
+    (nothing launched) if a sequence's KV blocks cannot grow."""
+    width = launched.shape[1]
+    runs: list[SequenceRun] = []
+    rows: list[int] = []  # packed input rows of the proposals
+    src: list[int] = []  # their flat index in launched
+    lengths, ks, tables, value_start, row_start = {}, {}, {}, {}, {}
+    offset = launched_row = 0
+    for s, tokens in zip(sampled, emitted, strict=True):
+        seq, k = s.seq, plan[s.seq.seq_id]
+        length = seq.num_tokens + len(tokens)
+        if not block_manager.can_grow(seq, length + k):
+            return None  # (the step's rollback gives back what was grown)
+        block_manager.grow(seq, length + k)
+        runs.append(SequenceRun([tokens[-1]] + [0] * k, length - 1, seq.block_table,
+                                list(range(k + 1))))
+        lengths[seq.seq_id], ks[seq.seq_id] = length, k
+        tables[seq.seq_id] = seq.block_table[: block_manager.blocks_needed(length + k)]
+        row_start[seq.seq_id] = offset
+        if k:
+            value_start[seq.seq_id] = len(src)
+            rows.extend(range(offset + 1, offset + 1 + k))
+            src.extend(range(launched_row * width, launched_row * width + k))
+            launched_row += 1
+        offset += k + 1
+    device = launched.device
+    values = launched.flatten()[index_tensor(src, device)]  # [P]
+    tokens = runner.execute_argmax_device(runs, fed=(index_tensor(rows, device), values))
+    return VerifyAhead(lengths, ks, tables, value_start, row_start, values, tokens)
+
+
+def take(ahead: VerifyAhead, scheduled: list[ScheduledSequence],
+         proposals: list[list[int]], took_launched: bool) -> list[int] | None:
+    """The argmax tokens of the rows of this step's verification ([last] + proposals of each
+    scheduled sequence, in order) from the pass launched ahead, with the proposals' values
+    filled in (the step's one read), if the pass is this step's (module docstring); else
+    None. scheduled: the step's sequences, every one sampled (proposals: one list each)."""
+    if not took_launched or len(scheduled) != len(proposals):
+        return None
+    for s, props in zip(scheduled, proposals, strict=True):
+        seq_id, seq = s.seq.seq_id, s.seq
+        if (ahead.ks.get(seq_id) != len(props) or s.num_new_tokens != 1
+                or seq.num_tokens != ahead.lengths[seq_id]
+                or seq.block_table[: len(ahead.tables[seq_id])] != ahead.tables[seq_id]):
+            return None
+    read = torch.cat([ahead.values, ahead.tokens]).tolist()  # the step's one read
+    values, tokens = read[: ahead.values.numel()], read[ahead.values.numel():]
+    row_tokens: list[int] = []
+    for s, props in zip(scheduled, proposals, strict=True):
+        seq_id, k = s.seq.seq_id, len(props)
+        if k:
+            start = ahead.value_start[seq_id]
+            props[:] = values[start : start + k]
+        row = ahead.row_start[seq_id]
+        row_tokens.extend(tokens[row : row + k + 1])
+    return row_tokens
