@@ -334,7 +334,7 @@ class LLMEngine:
             # with its argmax tokens (the step's one sync); the placeholders get their values.
             # That pass may have been launched at the end of the last step (verify_ahead).
             row_tokens = None if ahead is None else verify_ahead.take(
-                ahead, sched.scheduled, proposals, self.speculation.proposer.took_ahead)
+                ahead, sched.scheduled, proposals, self.speculation.took_launched)
             verified = (self._verify_on_device(sched.scheduled, runs, proposals, pending)
                         if row_tokens is None
                         else self.verifier.accept_greedy(proposals, row_tokens))
@@ -355,9 +355,10 @@ class LLMEngine:
             # decodes its verification too (verify_ahead)
             closed = (self.verify_ahead_enabled and not self.scheduler.waiting
                       and len(sampled) == len(sched.scheduled))
-            plan = self.speculation.launch_ahead(sampled, proposals, verified, closed)
-            if plan is not None:
-                self._launch_verify_ahead(sampled, verified.emitted, plan)
+            launched = self.speculation.launch_ahead(sampled, proposals, verified, closed)
+            if launched is not None:
+                self._verify_ahead = verify_ahead.launch(
+                    self.runner, self.block_manager, sampled, verified.emitted, *launched)
         touched: dict[str, Request] = {}
         for s in sched.scheduled:
             req = self.requests[s.seq.request_id]
@@ -396,15 +397,6 @@ class LLMEngine:
             self.speculation.observe_step(time.perf_counter() - t_step)
             self.speculation.metrics.maybe_log()
         return outputs
-
-    def _launch_verify_ahead(self, sampled: list[ScheduledSequence], emitted: list[list[int]],
-                             plan: dict[int, int]) -> None:
-        """Launch the next step's verification pass now (engine/verify_ahead.py)."""
-        proposing = [s.seq for s in sampled if plan[s.seq.seq_id]]
-        launched = self.speculation.proposer.launched_tokens(proposing)
-        if launched is not None:
-            self._verify_ahead = verify_ahead.launch(self.runner, self.block_manager, sampled,
-                                                     emitted, plan, launched)
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
                 num_accepted: int, logprobs: torch.Tensor | None) -> None:

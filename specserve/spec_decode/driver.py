@@ -250,7 +250,8 @@ class SpeculationDriver:
         return proposals, draft_probs, pending
 
     def launch_ahead(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
-                     verified: VerifyResult, closed: bool = False) -> dict[int, int] | None:
+                     verified: VerifyResult, closed: bool = False
+                     ) -> tuple[dict[int, int], torch.Tensor] | None:
         """Right after this step's verification is read, before its commits: if its
         proposals were drafted on the device, have the proposer draft the next step's now, at
         this step's longest k for every sequence that proposed and may go on (within its
@@ -264,9 +265,10 @@ class SpeculationDriver:
         With plans_ahead, in a closed batch nobody waits to join (closed): the next step is
         planned here, from this step's outcomes (recorded now instead of at the commit), and
         the proposals are launched at the planned k of each sequence; the next step runs that
-        plan if its sequences are still at these lengths. Returns {seq_id: planned k} for
-        every sampled sequence when proposals were launched for all that propose, so that
-        the engine can launch the next verification pass now too; else None."""
+        plan if its sequences are still at these lengths. Returns ({seq_id: planned k} for
+        every sampled sequence, the launched proposals [A, K] of those with k > 0, in order)
+        when all of them were launched, so that the engine can launch the next verification
+        pass now too; else None."""
         launch, self._launch = self._launch, None
         if launch is None or self._settled_newest is not None:
             return None
@@ -292,7 +294,7 @@ class SpeculationDriver:
         return None
 
     def _launch_planned(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
-                        verified: VerifyResult) -> dict[int, int] | None:
+                        verified: VerifyResult) -> tuple[dict[int, int], torch.Tensor] | None:
         """launch_ahead with plans_ahead: plan the next step, launch its proposals."""
         plan = self._plan_ahead(sampled, proposals, verified)
         self._next_plan = plan
@@ -308,9 +310,16 @@ class SpeculationDriver:
         if not seqs:
             return None
         self.proposer.launch_ahead(seqs, ks, emitted, counts)
-        if self.proposer.launched_tokens(seqs) is None:
+        launched = self.proposer.launched_tokens(seqs)  # [A, K]
+        if launched is None:
             return None
-        return {seq_id: k for seq_id, (_, k) in plan.ks.items()}
+        return {seq_id: k for seq_id, (_, k) in plan.ks.items()}, launched
+
+    @property
+    def took_launched(self) -> bool:
+        """Whether this step's proposals are the ones launched at the end of the last step
+        (so a verification launched with them is this step's)."""
+        return self.proposer.took_ahead
 
     def _plan_ahead(self, sampled: list[ScheduledSequence], proposals: list[list[int]],
                     verified: VerifyResult) -> _Plan:
