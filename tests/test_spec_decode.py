@@ -625,3 +625,47 @@ def test_verification_launched_ahead_under_preemption_and_aborts(tiny_llama, lla
     assert engine.block_manager.num_free_blocks == 24
     assert proposer.block_manager.num_free_blocks == 24
     assert not proposer.shadows and proposer._ahead is None and not proposer._verified_early
+
+
+def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_reference,
+                                                        test_prompts):
+    """Requests that arrive while a verification launched ahead is in flight: the step that
+    admits them verifies as usual (the launched pass is discarded and its KV slots rolled
+    back), the batch goes on launching ahead once it is closed again, and every output is
+    plain decoding's."""
+    from specserve.engine import verify_ahead
+
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
+                   speculative_adaptive=False)
+    engine = llm.llm_engine
+    engine.speculation.proposer.launch_ahead_enabled = True
+    engine.verify_ahead_enabled = True
+    taken: list[bool] = []
+    take = verify_ahead.take
+
+    def spy(*args):
+        out = take(*args)
+        taken.append(out is not None)
+        return out
+
+    verify_ahead.take = spy
+    try:
+        params = _greedy(REF_TOKENS)
+        for i in range(3):
+            engine.add_request(f"r{i}", test_prompts[i], params)
+        outputs, steps, joined = {}, 0, 0
+        while engine.has_unfinished_requests():
+            if steps in (5, 9) and engine._verify_ahead is not None:
+                for _ in range(2):
+                    i = 3 + joined
+                    engine.add_request(f"r{i}", test_prompts[i], params)
+                    joined += 1
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+    finally:
+        verify_ahead.take = take
+    assert joined == 4
+    assert [outputs[f"r{i}"] for i in range(7)] == llama_reference[:7]
+    assert sum(taken) >= 5 and not all(taken)  # used, and discarded where requests joined
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
