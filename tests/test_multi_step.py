@@ -189,8 +189,8 @@ def test_greedy_draft_window_with_mixed_k(tiny_llama, tiny_llama_draft, test_pro
     from specserve.spec_decode.driver import SpeculationDriver
 
     limit = SpeculationDriver._limit
-    monkeypatch.setattr(SpeculationDriver, "_limit", lambda self, s, b: min(
-        limit(self, s, b), 1 + s.seq.seq_id % 4))
+    monkeypatch.setattr(SpeculationDriver, "_limit", lambda self, s, b, extra=0: min(
+        limit(self, s, b, extra), 1 + s.seq.seq_id % 4))
     results = _draft_every_mode(tiny_llama, tiny_llama_draft, test_prompts[:4], monkeypatch)
     for mode in ("window", "device"):
         sizes = results[mode][1]

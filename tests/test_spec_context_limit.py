@@ -90,7 +90,16 @@ METHODS = {
     "ngram": lambda tiny: dict(speculative_model="[ngram]", ngram_prompt_lookup_max=3),
     "suffix": lambda tiny: dict(speculative_model="[suffix]"),
     "draft": lambda tiny: dict(speculative_model=str(tiny)),
+    # the draft's proposals and the next verification launched ahead (the CUDA default)
+    "draft-ahead": lambda tiny: dict(speculative_model=str(tiny)),
 }
+
+
+def _launch_ahead(llm, method: str) -> None:
+    """"draft-ahead": what CUDA does by default (off on the CPU)."""
+    if method == "draft-ahead":
+        llm.llm_engine.speculation.proposer.launch_ahead_enabled = True
+        llm.llm_engine.verify_ahead_enabled = True
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -106,6 +115,7 @@ def test_proposals_stop_at_max_model_len(tiny_llama, method, adaptive, single_th
                                         use_tqdm=False)]
     llm = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K,
                    speculative_adaptive=adaptive, **METHODS[method](tiny_llama))
+    _launch_ahead(llm, method)
     spy = Spy(llm.llm_engine)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, out, ref in zip(prompts, outs, expected, strict=True):
@@ -136,6 +146,7 @@ def test_limit_with_a_kv_cache_of_exactly_max_model_len(tiny_llama, method, sing
     llm = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K,
                    num_gpu_blocks_override=MAX_MODEL_LEN // BLOCK_SIZE,
                    speculative_adaptive=False, **METHODS[method](tiny_llama))
+    _launch_ahead(llm, method)
     out = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected
     assert out.outputs[0].finish_reason == "length"
@@ -146,6 +157,7 @@ def test_limit_with_a_kv_cache_of_exactly_max_model_len(tiny_llama, method, sing
 def test_sampled_requests_stop_at_max_model_len(tiny_llama, method, single_thread):
     llm = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K,
                    **METHODS[method](tiny_llama))
+    _launch_ahead(llm, method)
     spy = Spy(llm.llm_engine)
     prompts = _prompts(llm, [MAX_MODEL_LEN - room for room in (1, 2, 4, 6, 9)])
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=None, ignore_eos=True)
@@ -171,13 +183,14 @@ def test_draft_stops_at_speculative_max_model_len(tiny_llama, single_thread):
         llm = tiny_llm(tiny_llama, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=K,
                        speculative_max_model_len=spec_len, speculative_adaptive=False,
                        **METHODS[method](tiny_llama))
+        _launch_ahead(llm, method)
         spy = Spy(llm.llm_engine)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         assert max(spy.target_positions) < MAX_MODEL_LEN - 1
         assert all(before + k <= spec_len for before, k in spy.proposals if k)
-        if method == "draft":
+        if method.startswith("draft"):
             assert max(spy.draft_positions) < spec_len - 1
             # truncated, not skipped: a sequence 3 tokens below the limit still speculated
             assert any(0 < k < K and before + k == spec_len for before, k in spy.proposals)

@@ -426,7 +426,7 @@ def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
     proposer._extend = lambda *args: extended.append(1) or extend(*args)
     if limit is not None:
         plain_limit = driver._limit
-        driver._limit = lambda s, b: min(plain_limit(s, b), limit(s.seq))
+        driver._limit = lambda s, b, extra=0: min(plain_limit(s, b, extra), limit(s.seq))
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.get_metrics()["spec_decode"]
     assert proposer._ahead is None  # nothing left in flight once every request is done

@@ -56,10 +56,12 @@ class VerifyAhead:
 def launch(runner: ModelRunner, block_manager: BlockManager,
            sampled: list[ScheduledSequence], emitted: list[list[int]], plan: dict[int, int],
            launched: torch.Tensor) -> VerifyAhead | None:
-    """Launch the verification of the next step: each sampled sequence's last token once
-    emitted[i] is committed, plus plan[seq_id] proposals taken from launched ([A, K]: the
-    draft's proposals launched ahead, one row per sequence with a proposal, in order). None
-    (nothing launched) if a sequence's KV blocks cannot grow."""
+    """Launch the verification of the next step: the last token of each sampled sequence in
+    plan (those that may still generate) once emitted[i] is committed, plus plan[seq_id]
+    proposals taken from launched ([A, K]: the draft's proposals launched ahead, one row per
+    sequence with a proposal, in order). A sequence that ends with this step (max_tokens, the
+    context's end) is not in plan: its last token is never fed. None (nothing launched) if a
+    sequence's KV blocks cannot grow."""
     width = launched.shape[1]
     runs: list[SequenceRun] = []
     rows: list[int] = []  # packed input rows of the proposals
@@ -67,7 +69,9 @@ def launch(runner: ModelRunner, block_manager: BlockManager,
     lengths, ks, tables, value_start, row_start = {}, {}, {}, {}, {}
     offset = launched_row = 0
     for s, tokens in zip(sampled, emitted, strict=True):
-        seq, k = s.seq, plan[s.seq.seq_id]
+        seq, k = s.seq, plan.get(s.seq.seq_id)
+        if k is None:
+            continue
         length = seq.num_tokens + len(tokens)
         if not block_manager.can_grow(seq, length + k):
             return None  # (the step's rollback gives back what was grown)

@@ -45,7 +45,9 @@ class _Plan:
     (SpeculationDriver.launch_ahead with plans_ahead): what the proposals and the next
     verification launched ahead were made for."""
 
-    ks: dict[int, tuple[int, int]]  # seq_id -> (its length once this step is committed, k)
+    # seq_id -> (its length once this step is committed, k), for every sequence that may
+    # still generate then (one that reaches max_tokens or the context's end is not in it)
+    ks: dict[int, tuple[int, int]]
     cap: int | None  # the batch cap the plan ran (batch_cap.py)
     settled: bool  # the plan settled the closed batch on plain decoding
 
@@ -266,9 +268,10 @@ class SpeculationDriver:
         planned here, from this step's outcomes (recorded now instead of at the commit), and
         the proposals are launched at the planned k of each sequence; the next step runs that
         plan if its sequences are still at these lengths. Returns ({seq_id: planned k} for
-        every sampled sequence, the launched proposals [A, K] of those with k > 0, in order)
-        when all of them were launched, so that the engine can launch the next verification
-        pass now too; else None."""
+        every sampled sequence that may still generate once this step is committed, the
+        launched proposals [A, K] of those with k > 0, in order) when all of them were
+        launched, so that the engine can launch the next verification pass now too; else
+        None."""
         launch, self._launch = self._launch, None
         if launch is None or self._settled_newest is not None:
             return None
@@ -301,7 +304,7 @@ class SpeculationDriver:
         seqs, ks, emitted, counts = [], [], [], []
         for s, props, tokens, accepted in zip(sampled, proposals, verified.emitted,
                                               verified.num_accepted, strict=True):
-            k = plan.ks[s.seq.seq_id][1]
+            k = plan.ks.get(s.seq.seq_id, (0, 0))[1]
             if k > 0:
                 seqs.append(s.seq)
                 ks.append(k)
@@ -349,7 +352,8 @@ class SpeculationDriver:
                                                                         strict=True)])
             cap, settled = self.adaptive.last_cap, self.adaptive.settled_plain
         return _Plan({seq.seq_id: (seq.num_tokens + e, k)
-                      for seq, e, k in zip(seqs, extras, ks, strict=True)}, cap, settled)
+                      for seq, e, k in zip(seqs, extras, ks, strict=True)
+                      if self._remaining(seq, e) > 0}, cap, settled)
 
     def _skips_looking(self, ids: list[int], closed: bool, any_pinned: bool) -> bool:
         """Whether a draft-free step skips finding and pricing proposals: a closed batch of at
