@@ -669,3 +669,43 @@ def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_refere
     assert [outputs[f"r{i}"] for i in range(7)] == llama_reference[:7]
     assert sum(taken) >= 5 and not all(taken)  # used, and discarded where requests joined
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_verification_launched_ahead_is_used_only_for_its_own_step():
+    """verify_ahead.take reads the pass launched ahead only when every scheduled sequence is
+    one it verified, at its length, decoding one token, with the planned proposals of that very
+    launch, and its block table unchanged; a sequence that finished meanwhile is skipped."""
+    import torch
+
+    from specserve.engine import verify_ahead
+    from specserve.engine.scheduler import ScheduledSequence
+    from specserve.engine.sequence import Sequence
+
+    def seq(seq_id: int, length: int, table: list[int]) -> Sequence:
+        return Sequence(seq_id, f"r{seq_id}", 0, [1] * (length - 1), _greedy(8), 0.0,
+                        token_ids=[1] * length, num_computed_tokens=length - 1,
+                        block_table=list(table))
+
+    def ahead() -> verify_ahead.VerifyAhead:
+        # seq 1: length 10, 2 proposals (rows 0-2); seq 2: length 20, 1 proposal (rows 3-4)
+        return verify_ahead.VerifyAhead(
+            lengths={1: 10, 2: 20}, ks={1: 2, 2: 1}, tables={1: [4], 2: [5, 6]},
+            value_start={1: 0, 2: 2}, row_start={1: 0, 2: 3},
+            values=torch.tensor([11, 12, 21]), tokens=torch.tensor([11, 99, 7, 21, 8]))
+
+    def step(seqs, ks, news=None):
+        return ([ScheduledSequence(s, 1 if news is None else news[i], 4)
+                 for i, s in enumerate(seqs)], [[0] * k for k in ks])
+
+    a, b = seq(1, 10, [4]), seq(2, 20, [5, 6])
+    scheduled, proposals = step([a, b], [2, 1])
+    assert verify_ahead.take(ahead(), scheduled, proposals, True) == [11, 99, 7, 21, 8]
+    assert proposals == [[11, 12], [21]]
+    scheduled, proposals = step([b], [1])  # seq 1 finished in between: its rows are skipped
+    assert verify_ahead.take(ahead(), scheduled, proposals, True) == [21, 8]
+    assert verify_ahead.take(ahead(), *step([a, b], [2, 1]), False) is None  # other proposals
+    assert verify_ahead.take(ahead(), *step([a, b], [1, 1]), True) is None  # another plan
+    assert verify_ahead.take(ahead(), *step([a, b], [2, 1], news=[1, 2]), True) is None
+    assert verify_ahead.take(ahead(), *step([a, seq(2, 21, [5, 6])], [2, 1]), True) is None
+    assert verify_ahead.take(ahead(), *step([a, seq(2, 20, [5, 9])], [2, 1]), True) is None
+    assert verify_ahead.take(ahead(), *step([a, b, seq(3, 5, [7])], [2, 1, 0]), True) is None
