@@ -349,7 +349,8 @@ class SpeculationDriver:
                 closed=True, remaining=[self._remaining(seq, e)
                                         for seq, e in zip(seqs, extras, strict=True)],
                 generated=[seq.num_output_tokens + e for seq, e in zip(seqs, extras,
-                                                                        strict=True)])
+                                                                        strict=True)],
+                lag=self.proposer.catch_up_tokens(seqs))
             cap, settled = self.adaptive.last_cap, self.adaptive.settled_plain
         return _Plan({seq.seq_id: (seq.num_tokens + e, k)
                       for seq, e, k in zip(seqs, extras, ks, strict=True)
