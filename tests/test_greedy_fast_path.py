@@ -175,3 +175,66 @@ def test_index_tensor_is_made_once_per_list():
         transfer.index_tensor([n], "cpu")
     assert len(transfer._index_cache) <= transfer.INDEX_CACHE_SIZE
     assert transfer.index_tensor([3, 1, 4], "cpu").tolist() == [3, 1, 4]
+
+
+def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
+    """Plain greedy decoding with each step's pass launched at the end of the step before
+    (LLMEngine.decode_ahead_enabled): the same tokens as without, with sequences ending at
+    different steps (max_tokens, a stop token, the context's end), requests joining and
+    aborted mid-run, and every KV block back at the end."""
+    from specserve.engine import verify_ahead
+
+    prompts = test_prompts[:6]
+    lengths = (30, 7, 19, 30, 12, 25)
+
+    def run(ahead: bool, stop_id: int | None = None):
+        llm = tiny_llm(tiny_llama, max_model_len=48)
+        engine = llm.llm_engine
+        engine.decode_ahead_enabled = ahead
+        taken: list[bool] = []
+        take = verify_ahead.take
+
+        def spy(*args):
+            out = take(*args)
+            taken.append(out is not None)
+            return out
+
+        verify_ahead.take = spy
+        positions: list[int] = []  # fed to the passes launched ahead
+        launch_pass = engine.runner.execute_argmax_device
+
+        def spy_pass(runs, fed=None):
+            positions.extend(r.start + len(r.token_ids) - 1 for r in runs)
+            return launch_pass(runs, fed)
+
+        engine.runner.execute_argmax_device = spy_pass
+        try:
+            outputs, steps = {}, 0
+            for i in range(3):
+                params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
+                                        stop_token_ids=[stop_id] if stop_id and i == 1 else None)
+                engine.add_request(f"r{i}", prompts[i], params)
+            while engine.has_unfinished_requests():
+                if steps == 6:  # requests join while a pass is in flight
+                    for i in range(3, 6):
+                        engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                            temperature=0.0, max_tokens=None if i == 5 else lengths[i],
+                            ignore_eos=True))
+                if steps == 12:
+                    engine.abort_request("r4")
+                for out in engine.step():
+                    outputs[out.request_id] = out.outputs[0].token_ids
+                steps += 1
+        finally:
+            verify_ahead.take = take
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert not positions or max(positions) < 48 - 1  # the last token is never fed back
+        return outputs, taken
+
+    off, _ = run(False)
+    stop_id = off["r1"][3]
+    off, _ = run(False, stop_id)
+    on, taken = run(True, stop_id)
+    assert on == off
+    assert len(off["r1"]) < lengths[1] and len(off["r5"]) > 10  # a stop; the context's end
+    assert sum(taken) >= 20 and not all(taken)  # used, and dropped where requests joined

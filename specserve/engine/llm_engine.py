@@ -143,6 +143,10 @@ class LLMEngine:
         # CUDA, where the GPU runs it while the host commits; on a CPU it would only move work.
         self._verify_ahead: verify_ahead.VerifyAhead | None = None
         self.verify_ahead_enabled = self.device.type == "cuda"
+        # ... and for plain greedy decoding without speculation: the next one-token pass
+        # launched at the end of a step. Off until measured on a GPU (it makes plain steps
+        # hide their host work as speculative ones now do).
+        self.decode_ahead_enabled = False
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
@@ -340,8 +344,18 @@ class LLMEngine:
                         else self.verifier.accept_greedy(proposals, row_tokens))
         elif argmax_rows and not prompt_rows:
             # Greedy fast path: the target pass returns each row's argmax token, not logits
-            # (ONE pass still scores everything; its token read is the step's one sync).
-            verified = self.verifier.accept_greedy(proposals, self.runner.execute_argmax(runs))
+            # (ONE pass still scores everything; its token read is the step's one sync). That
+            # pass may have been launched at the end of the last step (decode_ahead_enabled).
+            row_tokens = None if ahead is None else verify_ahead.take(
+                ahead, sched.scheduled, proposals, True)
+            verified = self.verifier.accept_greedy(
+                proposals, self.runner.execute_argmax(runs) if row_tokens is None else row_tokens)
+            if self._decodes_ahead(sched.scheduled, sampled):
+                plan = {s.seq.seq_id: 0 for s, tokens in zip(sampled, verified.emitted,
+                                                              strict=True)
+                        if self._may_continue(s.seq, len(tokens))}
+                self._verify_ahead = verify_ahead.launch(
+                    self.runner, self.block_manager, sampled, verified.emitted, plan, None)
         else:
             logits = self.runner.execute(runs)  # [R, vocab]: ONE target pass scores everything
             sample_logits = select_rows(logits, sample_rows)  # [sum(k_i + 1), vocab], no sync
@@ -397,6 +411,24 @@ class LLMEngine:
             self.speculation.observe_step(time.perf_counter() - t_step)
             self.speculation.metrics.maybe_log()
         return outputs
+
+    def _decodes_ahead(self, scheduled: list[ScheduledSequence],
+                       sampled: list[ScheduledSequence]) -> bool:
+        """Whether this plain greedy step launches the next one (decode_ahead_enabled): no
+        speculation, no multi-step windows, nobody waiting, every sequence a one-token
+        decode."""
+        return (self.decode_ahead_enabled and self.speculation is None
+                and self.num_scheduler_steps <= 1 and not self.scheduler.waiting
+                and len(sampled) == len(scheduled)
+                and all(s.num_new_tokens == 1 for s in scheduled))
+
+    def _may_continue(self, seq: Sequence, extra: int) -> bool:
+        """Whether seq may still generate once extra more tokens are committed (neither its
+        max_tokens nor the context's end reached)."""
+        left = self.max_model_len - seq.num_tokens - extra
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens - extra)
+        return left > 0
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
                 num_accepted: int, logprobs: torch.Tensor | None) -> None:

@@ -19,6 +19,10 @@ sequence, a preemption, another plan) makes the step verify as usual, and the pa
 ahead is wasted work on the device, never a different result: it only ever computes what the
 step would have computed, in the same kind of pass.
 
+The same serves plain greedy decoding without speculation (LLMEngine.decode_ahead_enabled, off
+until measured on a GPU): the next one-token pass of every sequence is launched right after a
+step's tokens are read, with no proposals.
+
 KV slots: the pass writes the KV of each sequence's last token and its proposals, so its
 blocks are grown for them when it is launched, and the step's rollback keeps them
 (``keep_slots``).
@@ -55,14 +59,15 @@ class VerifyAhead:
 
 def launch(runner: ModelRunner, block_manager: BlockManager,
            sampled: list[ScheduledSequence], emitted: list[list[int]], plan: dict[int, int],
-           launched: torch.Tensor) -> VerifyAhead | None:
+           launched: torch.Tensor | None) -> VerifyAhead | None:
     """Launch the verification of the next step: the last token of each sampled sequence in
     plan (those that may still generate) once emitted[i] is committed, plus plan[seq_id]
     proposals taken from launched ([A, K]: the draft's proposals launched ahead, one row per
     sequence with a proposal, in order). A sequence that ends with this step (max_tokens, the
     context's end) is not in plan: its last token is never fed. None (nothing launched) if a
-    sequence's KV blocks cannot grow."""
-    width = launched.shape[1]
+    sequence's KV blocks cannot grow. launched is None when no sequence proposes (a plain
+    greedy decode pass launched ahead: LLMEngine.decode_ahead_enabled)."""
+    width = 0 if launched is None else launched.shape[1]
     runs: list[SequenceRun] = []
     rows: list[int] = []  # packed input rows of the proposals
     src: list[int] = []  # their flat index in launched
@@ -87,9 +92,13 @@ def launch(runner: ModelRunner, block_manager: BlockManager,
             src.extend(range(launched_row * width, launched_row * width + k))
             launched_row += 1
         offset += k + 1
-    device = launched.device
-    values = launched.flatten()[index_tensor(src, device)]  # [P]
-    tokens = runner.execute_argmax_device(runs, fed=(index_tensor(rows, device), values))
+    if not runs:
+        return None
+    device = runner.device
+    values = (torch.empty(0, dtype=torch.int64, device=device) if launched is None
+              else launched.flatten()[index_tensor(src, device)])  # [P]
+    fed = (index_tensor(rows, device), values) if rows else None
+    tokens = runner.execute_argmax_device(runs, fed=fed)  # [R]
     return VerifyAhead(lengths, ks, tables, value_start, row_start, values, tokens)
 
 
