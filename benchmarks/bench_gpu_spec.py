@@ -960,6 +960,9 @@ def main() -> int:
                     help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
                     help="skip the compile attempt if this many seconds have passed")
+    ap.add_argument("--decode-ahead", action="store_true",
+                    help="plain greedy decodes launched a step ahead in every engine of "
+                         "sections 1, 2 and 4 (LLMEngine.decode_ahead_enabled; off by default)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     if args.log_compiles:
@@ -1010,6 +1013,7 @@ def main() -> int:
     llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
               max_num_seqs=256, kv_cache_memory_bytes=(1 if smoke else 24) << 30,
               enable_prefix_caching=False)  # synthetic steps below overwrite KV blocks
+    llm.llm_engine.decode_ahead_enabled = args.decode_ahead
     runner = llm.llm_engine.runner
     say(f"target: {t_params / 1e9:.2f} B params, {t_read / 1e9:.2f} GB read per step; "
         f"draft: {d_read / 1e9:.2f} GB; graphs: {runner.graphs is not None}")
@@ -1094,6 +1098,7 @@ def main() -> int:
                   speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
                   speculative_adaptive=True, enable_prefix_caching=False)
         engine = llm.llm_engine
+        engine.decode_ahead_enabled = args.decode_ahead  # (its plain runs, speculation off)
         driver = engine.speculation
         adaptive = driver.adaptive
         replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)
