@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,3 +51,22 @@ def cpu_runner(path: Path, block_size: int, num_blocks: int):
 def tiny_llm(path: Path, **kwargs) -> LLM:
     kwargs.setdefault("device", "cpu")
     return LLM(model=str(path), **kwargs)
+
+
+@contextlib.contextmanager
+def returned_something(owner, name: str) -> Iterator[list[bool]]:
+    """While the block runs, owner.name is wrapped: the list yielded gets, for every call,
+    whether it returned something other than None (was a launch ahead taken or dropped?)."""
+    original = getattr(owner, name)
+    calls: list[bool] = []
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    setattr(owner, name, spy)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, original)

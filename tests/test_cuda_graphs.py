@@ -166,7 +166,7 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
                                                single_thread, monkeypatch):
     """Engine-level: the graph path (capture off, so it runs on CPU) serves decode, verify and
     draft steps; greedy output equals the eager engine's, with and without a draft model."""
-    from helpers import tiny_llm
+    from helpers import returned_something, tiny_llm
 
     from specserve import SamplingParams
     from specserve.engine import verify_ahead
@@ -175,24 +175,6 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
 
     used: list[int] = []
     enable = ModelRunner.enable_cuda_graphs
-    taken: list[bool] = []
-    take = DraftModelProposer._take_ahead
-
-    def spy(self, *args):
-        out = take(self, *args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(DraftModelProposer, "_take_ahead", spy)
-    verified_ahead: list[bool] = []
-    take_verify = verify_ahead.take
-
-    def spy_verify(*args):
-        out = take_verify(*args)
-        verified_ahead.append(out is not None)
-        return out
-
-    monkeypatch.setattr(verify_ahead, "take", spy_verify)
 
     def force_padded_path(self, *args, **kwargs):
         used.append(1)
@@ -212,9 +194,11 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     reference = generate(enforce_eager=True)
     monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
     assert generate() == reference
-    for ahead in (False, True):
-        assert generate(ahead, speculative_model=str(tiny_llama_draft),
-                        num_speculative_tokens=3, speculative_adaptive=False) == reference
+    with (returned_something(DraftModelProposer, "_take_ahead") as taken,
+          returned_something(verify_ahead, "take") as verified_ahead):
+        for ahead in (False, True):
+            assert generate(ahead, speculative_model=str(tiny_llama_draft),
+                            num_speculative_tokens=3, speculative_adaptive=False) == reference
     assert taken and all(taken)  # launched proposals were taken, from the graph path
     assert verified_ahead and all(verified_ahead)  # ... and verifications launched ahead
     assert generate(num_scheduler_steps=5) == reference  # tokens fed back in the buffer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cpu_runner, tiny_llm
+from helpers import cpu_runner, returned_something, tiny_llm
 
 from specserve import SamplingParams
 from specserve.engine.llm_engine import LLMEngine
@@ -191,15 +191,6 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
         llm = tiny_llm(tiny_llama, max_model_len=48)
         engine = llm.llm_engine
         engine.decode_ahead_enabled = ahead
-        taken: list[bool] = []
-        take = verify_ahead.take
-
-        def spy(*args):
-            out = take(*args)
-            taken.append(out is not None)
-            return out
-
-        verify_ahead.take = spy
         positions: list[int] = []  # fed to the passes launched ahead
         launch_pass = engine.runner.execute_argmax_device
 
@@ -208,7 +199,7 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
             return launch_pass(runs, fed)
 
         engine.runner.execute_argmax_device = spy_pass
-        try:
+        with returned_something(verify_ahead, "take") as taken:
             outputs, steps = {}, 0
             for i in range(3):
                 params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
@@ -225,8 +216,6 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
                 for out in engine.step():
                     outputs[out.request_id] = out.outputs[0].token_ids
                 steps += 1
-        finally:
-            verify_ahead.take = take
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert not positions or max(positions) < 48 - 1  # the last token is never fed back
         return outputs, taken

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import tiny_llm
+from helpers import returned_something, tiny_llm
 
 from specserve import LLM, SamplingParams
 
@@ -489,30 +489,36 @@ def test_proposals_launched_ahead_with_changing_lengths(tiny_llama, tiny_llama_d
         assert on[3] > 0  # some windows continued past the launched k
 
 
+@pytest.mark.parametrize("verify", [False, True])
 def test_proposals_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_reference,
-                                                               test_prompts):
-    """Sequences preempted or aborted while their next proposals are in flight: the others'
-    output is unchanged and every KV block of target and draft comes back."""
+                                                               test_prompts, verify):
+    """Sequences preempted or aborted while their next proposals (and with verify, the next
+    verification: engine/verify_ahead.py) are in flight: the others' output is unchanged and
+    every KV block of target and draft comes back."""
     llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
                    speculative_adaptive=False, num_gpu_blocks_override=24, max_model_len=256)
     engine = llm.llm_engine
     proposer = engine.speculation.proposer
     proposer.launch_ahead_enabled = True
+    engine.verify_ahead_enabled = verify
     assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
     assert engine.scheduler.num_preemptions > 0
 
     params = _greedy(REF_TOKENS)
     for i in range(6):
         engine.add_request(f"r{i}", test_prompts[i], params)
-    aborted, outputs, steps = {"r1", "r4"}, {}, 0
+    aborted, outputs, steps, in_flight = {"r1", "r4"}, {}, 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
         steps += 1
+        in_flight += engine._verify_ahead is not None
         if steps == 6:
             assert proposer._ahead is not None  # proposals in flight for the next step
+            assert (engine._verify_ahead is not None) == verify  # ... and its verification
             for request_id in aborted:
                 engine.abort_request(request_id)
+    assert in_flight > steps // 2 if verify else in_flight == 0
     for i in range(6):
         if f"r{i}" not in aborted:
             assert outputs[f"r{i}"] == llama_reference[i]
@@ -533,19 +539,8 @@ def _verify_ahead_run(target, draft, prompts, params, ahead: bool, k: int,
     engine = llm.llm_engine
     engine.speculation.proposer.launch_ahead_enabled = True  # (off the GPU both are off)
     engine.verify_ahead_enabled = ahead
-    taken = []
-    take = verify_ahead.take
-
-    def spy(*args):
-        out = take(*args)
-        taken.append(out is not None)
-        return out
-
-    verify_ahead.take = spy
-    try:
+    with returned_something(verify_ahead, "take") as taken:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        verify_ahead.take = take
     stats = llm.get_metrics()["spec_decode"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.speculation._recorded_early
@@ -592,41 +587,6 @@ def test_verification_launched_ahead_with_the_adaptive_policy(tiny_llama, tiny_l
         assert taken and sum(taken) >= 0.5 * len(taken), taken
 
 
-def test_verification_launched_ahead_under_preemption_and_aborts(tiny_llama, llama_reference,
-                                                                  test_prompts):
-    """Sequences preempted or aborted while the next verification is in flight: the others'
-    output is unchanged and every KV block of target and draft comes back."""
-    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama), num_speculative_tokens=3,
-                   speculative_adaptive=False, num_gpu_blocks_override=24, max_model_len=256)
-    engine = llm.llm_engine
-    proposer = engine.speculation.proposer
-    proposer.launch_ahead_enabled = True
-    engine.verify_ahead_enabled = True
-    assert _tokens(llm.generate(test_prompts, _greedy(REF_TOKENS), use_tqdm=False)) == llama_reference
-    assert engine.scheduler.num_preemptions > 0
-
-    params = _greedy(REF_TOKENS)
-    for i in range(6):
-        engine.add_request(f"r{i}", test_prompts[i], params)
-    aborted, outputs, steps, in_flight = {"r1", "r4"}, {}, 0, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        in_flight += engine._verify_ahead is not None
-        if steps == 6:
-            assert engine._verify_ahead is not None  # the next verification is in flight
-            for request_id in aborted:
-                engine.abort_request(request_id)
-    assert in_flight > steps // 2
-    for i in range(6):
-        if f"r{i}" not in aborted:
-            assert outputs[f"r{i}"] == llama_reference[i]
-    assert engine.block_manager.num_free_blocks == 24
-    assert proposer.block_manager.num_free_blocks == 24
-    assert not proposer.shadows and proposer._ahead is None and not proposer._verified_early
-
-
 def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_reference,
                                                         test_prompts):
     """Requests that arrive while a verification launched ahead is in flight: the step that
@@ -640,16 +600,7 @@ def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_refere
     engine = llm.llm_engine
     engine.speculation.proposer.launch_ahead_enabled = True
     engine.verify_ahead_enabled = True
-    taken: list[bool] = []
-    take = verify_ahead.take
-
-    def spy(*args):
-        out = take(*args)
-        taken.append(out is not None)
-        return out
-
-    verify_ahead.take = spy
-    try:
+    with returned_something(verify_ahead, "take") as taken:
         params = _greedy(REF_TOKENS)
         for i in range(3):
             engine.add_request(f"r{i}", test_prompts[i], params)
@@ -663,8 +614,6 @@ def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_refere
             for out in engine.step():
                 outputs[out.request_id] = out.outputs[0].token_ids
             steps += 1
-    finally:
-        verify_ahead.take = take
     assert joined == 4
     assert [outputs[f"r{i}"] for i in range(7)] == llama_reference[:7]
     assert sum(taken) >= 5 and not all(taken)  # used, and discarded where requests joined
