@@ -156,6 +156,37 @@ def verify_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
                                        list(range(MAX_QUERY)))]).float()
 
 
+def descend(runner: ModelRunner, q: int, configs: dict, key, candidates, label: str,
+            deadline: float | None = None) -> list[tuple[float, object]]:
+    """One coordinate of the descent: for each candidate value of configs[key] (a
+    gemv.ROWS_CONFIGS entry or an attention tile config), recapture the graph of q and time it
+    against the best graph so far (paired_ratio); keep the value when it is >= MIN_GAIN
+    faster, else put the previous one back. Returns (ratio, candidate) for each one timed."""
+    best_graph = graph_for(runner, q)
+    tried: list[tuple[float, object]] = []
+    for cand in candidates:
+        if cand == configs[key] or (deadline is not None and time.perf_counter() > deadline):
+            continue
+        keep = configs[key]
+        configs[key] = cand
+        try:
+            graph = graph_for(runner, q)
+        except Exception as exc:  # noqa: BLE001  (out of shared memory, etc.: skip it)
+            say(f"  {label} {tuple(cand)}: {type(exc).__name__}")
+            configs[key] = keep
+            continue
+        ratio, secs = paired_ratio(best_graph, graph)
+        tried.append((ratio, cand))
+        better = ratio < 1 - MIN_GAIN
+        if better:
+            best_graph = graph
+        else:
+            configs[key] = keep
+        say(f"  {label} {tuple(cand)}: {ratio:.4f} ({secs * 1e3:.3f} ms)"
+            + (" -> best" if better else ""))
+    return tried
+
+
 def tune_bucket(runner: ModelRunner, bucket: int, q: int, candidates: dict[str, list[RowsConfig]],
                 deadline: float) -> dict[str, list[tuple[float, RowsConfig]]]:
     """Coordinate descent over the shapes at this bucket; returns per shape the candidates'
@@ -164,27 +195,7 @@ def tune_bucket(runner: ModelRunner, bucket: int, q: int, candidates: dict[str, 
     for name, shape in SHAPES.items():
         key = (*shape, bucket)
         start = gemv.ROWS_CONFIGS[key]
-        best_graph = graph_for(runner, q)
-        tried: list[tuple[float, RowsConfig]] = []
-        for cand in candidates[name]:
-            if cand == gemv.ROWS_CONFIGS[key] or time.perf_counter() > deadline:
-                continue
-            keep = gemv.ROWS_CONFIGS[key]
-            gemv.ROWS_CONFIGS[key] = cand
-            try:
-                graph = graph_for(runner, q)
-            except Exception as exc:  # noqa: BLE001  (out of shared memory, etc.: skip it)
-                say(f"  {name} {tuple(cand)}: {type(exc).__name__}")
-                gemv.ROWS_CONFIGS[key] = keep
-                continue
-            ratio, secs = paired_ratio(best_graph, graph)
-            tried.append((ratio, cand))
-            if ratio < 1 - MIN_GAIN:
-                best_graph = graph
-                say(f"  {name} {tuple(cand)}: {ratio:.4f} ({secs * 1e3:.3f} ms) -> best")
-            else:
-                gemv.ROWS_CONFIGS[key] = keep
-                say(f"  {name} {tuple(cand)}: {ratio:.4f} ({secs * 1e3:.3f} ms)")
+        tried = descend(runner, q, gemv.ROWS_CONFIGS, key, candidates[name], name, deadline)
         say(f"bucket {bucket} {name}: {tuple(start)} -> {tuple(gemv.ROWS_CONFIGS[key])}")
         results[name] = sorted(tried, key=lambda t: t[0])
     return results
@@ -198,25 +209,7 @@ def tune_attention(runner: ModelRunner) -> None:
     backend = runner.backend
     for rows, q, cands in ((32, 5, ATTN_TILES_32), (64, 9, ATTN_TILES_64)):
         start = backend.tile_config[rows]
-        best_graph = graph_for(runner, q)
-        for cand in cands:
-            if cand == backend.tile_config[rows]:
-                continue
-            keep = backend.tile_config[rows]
-            backend.tile_config[rows] = cand
-            try:
-                graph = graph_for(runner, q)
-            except Exception as exc:  # noqa: BLE001
-                say(f"  tile {rows} rows {cand}: {type(exc).__name__}")
-                backend.tile_config[rows] = keep
-                continue
-            ratio, secs = paired_ratio(best_graph, graph)
-            if ratio < 1 - MIN_GAIN:
-                best_graph = graph
-                say(f"  tile {rows} rows {cand}: {ratio:.4f} ({secs * 1e3:.3f} ms) -> best")
-            else:
-                backend.tile_config[rows] = keep
-                say(f"  tile {rows} rows {cand}: {ratio:.4f} ({secs * 1e3:.3f} ms)")
+        descend(runner, q, backend.tile_config, rows, cands, f"tile {rows} rows")
         say(f"attention tile {rows} rows: {start} -> {backend.tile_config[rows]}")
     for q in (1, 5, 9):
         base = graph_for(runner, q)
