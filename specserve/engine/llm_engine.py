@@ -353,7 +353,7 @@ class LLMEngine:
             if self._decodes_ahead(sched.scheduled, sampled):
                 plan = {s.seq.seq_id: 0 for s, tokens in zip(sampled, verified.emitted,
                                                               strict=True)
-                        if self._may_continue(s.seq, len(tokens))}
+                        if s.seq.tokens_left(self.max_model_len, len(tokens)) > 0}
                 self._verify_ahead = verify_ahead.launch(
                     self.runner, self.block_manager, sampled, verified.emitted, plan, None)
         else:
@@ -421,14 +421,6 @@ class LLMEngine:
                 and self.num_scheduler_steps <= 1 and not self.scheduler.waiting
                 and len(sampled) == len(scheduled)
                 and all(s.num_new_tokens == 1 for s in scheduled))
-
-    def _may_continue(self, seq: Sequence, extra: int) -> bool:
-        """Whether seq may still generate once extra more tokens are committed (neither its
-        max_tokens nor the context's end reached)."""
-        left = self.max_model_len - seq.num_tokens - extra
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens - extra)
-        return left > 0
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
                 num_accepted: int, logprobs: torch.Tensor | None) -> None:

@@ -83,6 +83,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def tokens_left(self, max_model_len: int, extra: int = 0) -> int:
+        """Tokens this sequence may still generate once extra more are committed: up to its
+        max_tokens, or the context's end."""
+        left = max_model_len - self.num_tokens - extra
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - self.num_output_tokens - extra)
+        return max(left, 0)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

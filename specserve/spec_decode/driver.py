@@ -113,12 +113,8 @@ class SpeculationDriver:
         return max(k, 0)
 
     def _remaining(self, seq: Sequence, extra: int = 0) -> int:
-        """Tokens a sequence may still generate (once extra more are committed): its
-        max_tokens, or the context's end."""
-        left = self.max_model_len - seq.num_tokens - extra
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens - extra)
-        return max(left, 0)
+        """Tokens a sequence may still generate (once extra more are committed)."""
+        return seq.tokens_left(self.max_model_len, extra)
 
     def propose(self, scheduled: list[ScheduledSequence], sampled: list[ScheduledSequence],
                 on_device: bool = False, closed: bool = False
