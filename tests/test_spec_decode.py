@@ -404,30 +404,19 @@ def test_a_closed_batch_starts_speculating_only_once_its_prompts_are_in(tiny_lla
 
 def _ahead_run(target, draft, prompts, params, ahead: bool, k: int, limit=None):
     """Greedy generation with a draft, proposals launched a step ahead or not; returns the
-    tokens, the speculation counters and how often a step took launched proposals."""
-    from specserve.spec_decode.draft_model import DraftModelProposer
-
+    tokens, the speculation counters, per step that had proposals launched whether it took
+    them, and how many launched windows were continued."""
     llm = tiny_llm(target, speculative_model=str(draft), num_speculative_tokens=k,
                    speculative_adaptive=False)
     driver = llm.llm_engine.speculation
     proposer = driver.proposer
     proposer.launch_ahead_enabled = ahead  # (off the GPU it is off by default)
-    taken = []
-    original = DraftModelProposer._take_ahead
-
-    def spy(seqs, max_tokens):
-        out = original(proposer, seqs, max_tokens)
-        taken.append(out is not None)
-        return out
-
-    proposer._take_ahead = spy
-    extend = proposer._extend
-    extended = []
-    proposer._extend = lambda *args: extended.append(1) or extend(*args)
     if limit is not None:
         plain_limit = driver._limit
         driver._limit = lambda s, b, extra=0: min(plain_limit(s, b, extra), limit(s.seq))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with (returned_something(proposer, "_take_ahead") as taken,
+          returned_something(proposer, "_extend") as extended):
+        outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.get_metrics()["spec_decode"]
     assert proposer._ahead is None  # nothing left in flight once every request is done
     assert not proposer._verified_early
