@@ -809,6 +809,35 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
     return lines
 
 
+def decode_ahead_ab(llm: LLM, prompt_sets: dict[int, list[list[int]]], new_tokens: int,
+                    reps: int = 5) -> list[str]:
+    """Plain greedy decoding with the next pass launched a step ahead (decode_ahead_enabled)
+    against without, in one engine: `reps` rounds per batch size, the order alternating, and
+    the outputs compared (launching ahead must change no token)."""
+    engine = llm.llm_engine
+    saved = engine.decode_ahead_enabled
+    lines = ["| batch | ahead tok/s per round | not ahead | median ratio (pairs) | outputs equal |",
+             "|---:|---|---|---|---|"]
+    try:
+        for b, ps in prompt_sets.items():
+            rates: dict[bool, list[float]] = {True: [], False: []}
+            outs: dict[bool, list] = {}
+            for r in range(reps):
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    engine.decode_ahead_enabled = on
+                    rate, o, _ = run_engine(llm, ps, new_tokens, f"da-{on}-{b}")
+                    rates[on].append(rate)
+                    outs.setdefault(on, o)
+            ratios = sorted(x / y for x, y in zip(rates[True], rates[False], strict=True))
+            lines.append(f"| {b} | {', '.join(f'{x:.0f}' for x in rates[True])} | "
+                         f"{', '.join(f'{x:.0f}' for x in rates[False])} | "
+                         f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) | "
+                         f"{outs[True] == outs[False]} |")
+    finally:
+        engine.decode_ahead_enabled = saved
+    return lines
+
+
 def memory_check(target_dir: str, draft_dir: str, dname: str, device, prompts) -> list[str]:
     """The engine sizes target + draft caches from gpu_memory_utilization after profiling its
     largest step; then a full batch (prefill steps of max_num_batched_tokens, verify steps of
@@ -963,6 +992,9 @@ def main() -> int:
     ap.add_argument("--decode-ahead", action="store_true",
                     help="plain greedy decodes launched a step ahead in every engine of "
                          "sections 1, 2 and 4 (LLMEngine.decode_ahead_enabled; off by default)")
+    ap.add_argument("--decode-ahead-ab", action="store_true",
+                    help="after section 2: plain decoding at batch 1 and 32 with the next pass "
+                         "launched ahead and without, interleaved in one engine")
     args = ap.parse_args()
     t_start = time.perf_counter()
     if args.log_compiles:
@@ -1069,6 +1101,14 @@ def main() -> int:
     flops_tok = 2 * t_read / dtype.itemsize + 4 * tshape["num_hidden_layers"] * tshape[
         "hidden_size"] * (PROMPT_LEN + 64)
     results["throughput"] = thr
+
+    if args.decode_ahead_ab:
+        say("\n== 2b. plain greedy decodes launched a step ahead vs not (interleaved)")
+        gen_ab = torch.Generator().manual_seed(7)  # own prompts: the others' stay as they were
+        b32ab = [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen_ab).tolist()
+                 for _ in range(2 if smoke else 32)]
+        for line in decode_ahead_ab(llm, {1: p1, len(b32ab): b32ab}, 16 if smoke else 256):
+            say(line)
 
     # -- 3. verify cost
     runner.enable_cuda_graphs(256, 9, 1024)
