@@ -107,15 +107,17 @@ struct Q80 {
 };
 
 // Rows rows of x times Cols consecutive weight rows. Cols > 1 gives the FMA chains independent
-// accumulators and reuses each load of x; Rows > 1 reuses each decoded block. With few
-// accumulators (Rows * Cols <= 8) a block's two halves go to separate ones so that enough FMA
-// chains are in flight; with more, one accumulator per (row, column) leaves registers for more
-// columns: the 7- and 8-row tiles of a k = 6-7 verification spilled with two each (one
-// accumulator each measured them 16-21 % faster over SmolLM2's matrices, in one interleaved run).
+// accumulators and reuses each load of x; Rows > 1 reuses each decoded block. With 1-2 rows a
+// block's two halves go to separate accumulators so that more FMA chains are in flight; with
+// more rows, one accumulator per (row, column) leaves registers for more columns: the 7- and
+// 8-row tiles of a k = 6-7 verification spilled with two each (one accumulator each measured
+// them 16-21 % faster over SmolLM2's matrices, in one interleaved run). The rule depends on Rows
+// alone, so an output's summation order (its bits) depends only on how many rows of x share its
+// tile, never on Cols or on whether its column fell in a panel's tail.
 template <typename Format, int Rows, int Cols>
 static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                         int64_t blocks, float* y, int64_t ldy) {
-  constexpr bool kSplit = Rows * Cols <= 8;
+  constexpr bool kSplit = Rows <= 2;
   constexpr int kHalves = kSplit ? 2 : 1;
   f32x16 acc[kHalves][Rows][Cols];
   for (int h = 0; h < kHalves; ++h)
@@ -152,19 +154,23 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
   for (; i < n1; ++i) tile<Format, Rows, 1>(x, k, w + i * row_bytes, row_bytes, blocks, y + i, n);
 }
 
-// Up to 8 rows of x at a time (a verification of k = 4..7 proposals decodes each block once);
-// fewer rows leave registers for more weight rows (Cols). Accumulators: at most 16 of the 32
-// vector registers, leaving room for the decoded blocks, the rows of x and the decode's
-// constants.
+// Up to 8 rows of x at a time (a verification of k = 4..7 proposals decodes each block once).
+// Cols per row count as measured on the 2-core AMD EPYC (Zen 4) CI machine, all 121 SmolLM2
+// matrices cycled (weights from DRAM), 7 interleaved rounds: one weight row at a time for 1-2
+// rows of x (1 row: 14 % faster on the Q4_1 matrices and 30 % on the Q8_0 head than 4 columns;
+// fewer concurrent weight streams), 4 columns for 3 rows, 3 for 4, 2 for 5-8 (5 rows: 4.5 % /
+// 24 % faster than 3). Accumulators: at most 16 of the 32 vector registers, leaving room for the
+// decoded blocks, the rows of x and the decode's constants. The columns never change an
+// output's bits (see tile's kSplit).
 template <typename Format>
 static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                           int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
   switch (rows) {
-    case 1: return rows_block<Format, 1, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 2: return rows_block<Format, 2, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 1: return rows_block<Format, 1, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 2: return rows_block<Format, 2, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 3: return rows_block<Format, 3, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 4: return rows_block<Format, 4, 3>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 5: return rows_block<Format, 5, 3>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 5: return rows_block<Format, 5, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 6: return rows_block<Format, 6, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 7: return rows_block<Format, 7, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     default: return rows_block<Format, kTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
