@@ -1,0 +1,164 @@
+"""How fast could prompt lookup make input-grounded batch 1 on this machine? (issue 4)
+
+The goal for "[ngram]" on the code-editing prompts is 2x our plain decoding at batch 1. This
+script bounds what any policy can get from those proposals on this machine, from two
+measurements and no timing of speculation itself:
+
+1. the cost of a target pass by rows verified (``runner.execute_argmax`` on one sequence,
+   1..17 rows, interleaved rounds, relative to a 1-row decode pass);
+2. SmolLM2's greedy continuation of the benchmark's grounded prompts (plain decoding), and at
+   every output position how many proposed tokens would be accepted: those of the most recent
+   earlier occurrence of the longest matching tail (what "[ngram]" proposes), and the best
+   over every earlier occurrence of every tail length (an oracle choosing among candidates,
+   more than any tree of candidates could verify for free).
+
+From these, a dynamic program gives the speedup when every step verifies exactly the proposals
+that will be accepted (hindsight: no rejected row is ever paid for), and a search over static
+rules "propose j(n) tokens after a match of length n" gives what the best such rule, fitted to
+this very data, reaches. Host work outside the pass is left out (it is the same per step with
+and without proposals, so leaving it out flatters speculation slightly).
+
+    python benchmarks/grounded_ceiling.py [--tokens 128] [--prompts 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_draft_free_cpu import Ours, humaneval_edit_prompts  # noqa: E402
+
+from specserve.spec_decode.ngram import NgramIndex  # noqa: E402
+from specserve.worker.model_runner import SequenceRun  # noqa: E402
+
+MAX_ROWS = 17
+
+
+def row_costs(runner, context: int, rounds: int = 7) -> dict[int, float]:
+    """Seconds of one greedy target pass with r query rows of one sequence, r = 1..MAX_ROWS
+    (median of interleaved rounds)."""
+    samples: dict[int, list[float]] = {r: [] for r in range(1, MAX_ROWS + 1)}
+    bs = runner.block_size
+    for _ in range(rounds):
+        for r in samples:
+            blocks = list(range(1, 1 + (context + r + bs - 1) // bs))
+            run = SequenceRun([(7 * j) % 1000 for j in range(r)], context, blocks, list(range(r)))
+            t0 = time.perf_counter()
+            runner.execute_argmax([run])
+            samples[r].append(time.perf_counter() - t0)
+    return {r: statistics.median(v) for r, v in samples.items()}
+
+
+def accepted_runs(prompt: list[int], output: list[int], n_max: int, k: int,
+                  oracle: bool) -> list[tuple[int, int, int]]:
+    """Per output position t: (matched tail length n, proposal length, accepted tokens) of
+    the proposal made with output[:t] known (oracle: the best earlier occurrence of any tail
+    of length <= n_max; n then is 0)."""
+    seq = prompt + output
+    index = NgramIndex(n_max, 1)
+    rows = []
+    for t in range(len(output)):
+        pos = len(prompt) + t
+        if oracle:
+            best = 0
+            for n in range(1, min(n_max, pos) + 1):
+                tail = seq[pos - n : pos]
+                for end in range(n, pos):
+                    if seq[end - n : end] == tail:
+                        a = 0
+                        while (a < k and end + a < pos and pos + a < len(seq)
+                               and seq[end + a] == seq[pos + a]):
+                            a += 1
+                        best = max(best, a)
+            rows.append((0, k, best))
+            continue
+        proposal, n = index.match(seq[:pos], k)
+        a = 0
+        while a < len(proposal) and pos + a < len(seq) and proposal[a] == seq[pos + a]:
+            a += 1
+        rows.append((n, len(proposal), a))
+    return rows
+
+
+def hindsight_cost(rows: list[tuple[int, int, int]], cost: dict[int, float]) -> float:
+    """Least total pass cost to emit every token when each step may verify any number of the
+    proposals that will be accepted (dynamic program over output positions)."""
+    length = len(rows)
+    best = [0.0] * (length + 1)
+    for t in range(length - 1, -1, -1):
+        usable = min(rows[t][2], length - 1 - t, MAX_ROWS - 1)
+        best[t] = min(cost[j + 1] + best[t + j + 1] for j in range(usable + 1))
+    return best[0]
+
+
+def rule_cost(rows: list[tuple[int, int, int]], cost: dict[int, float],
+              table: tuple[int, ...]) -> float:
+    """Total pass cost when a match of length n proposes table[n] tokens (0: none)."""
+    t, total = 0, 0.0
+    while t < len(rows):
+        n, available, accepted = rows[t]
+        j = min(table[n], available, len(rows) - 1 - t) if n else 0
+        total += cost[j + 1]
+        t += min(accepted, j) + 1
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt (as the "
+                    "benchmark: 128)")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    plain = Ours()
+    prompts = [plain.chat_ids(text) for text in humaneval_edit_prompts(args.prompts)]
+    outputs = [list(o) for o in plain.generate(prompts, args.tokens)]
+    context = int(statistics.median(len(p) for p in prompts)) + args.tokens // 2
+    seconds = row_costs(plain.llm.llm_engine.runner, context)
+    cost = {r: s / seconds[1] for r, s in seconds.items()}
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} "
+          f"threads; {len(prompts)} grounded prompts, {sum(map(len, outputs))} output tokens")
+    print(f"\ntarget pass by rows (one sequence, context {context}; 1 row = "
+          f"{1e3 * seconds[1]:.2f} ms):")
+    print("| rows | " + " | ".join(str(r) for r in cost) + " |")
+    print("|---" * (len(cost) + 1) + "|")
+    print("| x 1 row | " + " | ".join(f"{c:.2f}" for c in cost.values()) + " |")
+
+    plain_cost = sum(len(o) for o in outputs)  # one 1-row pass per token
+
+    def per_prompt(k: int, oracle: bool) -> list[list[tuple[int, int, int]]]:
+        return [accepted_runs(p, o, args.ngram_max, k, oracle)
+                for p, o in zip(prompts, outputs, strict=True)]
+
+    print("\n| proposals up to k | hindsight, most recent occurrence | hindsight, oracle "
+          "candidate | positions with nothing accepted (most recent / oracle) |")
+    print("|---:|---:|---:|---:|")
+    for k in (5, 8, 16):
+        recent, oracle = per_prompt(k, False), per_prompt(k, True)
+        zero = [100 * sum(a == 0 for rs in x for _, _, a in rs) / plain_cost for x in (recent,
+                                                                                     oracle)]
+        print(f"| {k} | {plain_cost / sum(hindsight_cost(r, cost) for r in recent):.3f}x | "
+              f"{plain_cost / sum(hindsight_cost(r, cost) for r in oracle):.3f}x | "
+              f"{zero[0]:.0f} % / {zero[1]:.0f} % |")
+
+    k = 8
+    recent = per_prompt(k, False)
+    best = max(itertools.product(range(k + 1), repeat=args.ngram_max),
+               key=lambda tb: -sum(rule_cost(r, cost, (0, *tb)) for r in recent))
+    speedup = plain_cost / sum(rule_cost(r, cost, (0, *best)) for r in recent)
+    print(f"\nbest static rule fitted to this data (k <= {k}): propose {best} tokens after a "
+          f"match of length 1..{args.ngram_max}: {speedup:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
