@@ -9,45 +9,45 @@ import sys
 from specserve.entrypoints.cli import BENCHMARKS_DIR
 
 sys.path.insert(0, str(BENCHMARKS_DIR))
-import grounded_ceiling as gc  # noqa: E402  (a script beside the package, not inside it)
+import grounded_ceiling as ceiling  # noqa: E402  (a script beside the package, not inside it)
 
-FREE = {r: 1.0 for r in range(1, gc.MAX_ROWS + 1)}  # extra rows cost nothing
-LINEAR = {r: 1.0 + 0.5 * (r - 1) for r in range(1, gc.MAX_ROWS + 1)}
+FREE = {r: 1.0 for r in range(1, ceiling.MAX_ROWS + 1)}  # extra rows cost nothing
+LINEAR = {r: 1.0 + 0.5 * (r - 1) for r in range(1, ceiling.MAX_ROWS + 1)}
 
 
 def test_accepted_runs_follow_the_most_recent_occurrence():
     prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]  # tail [1, 2]: most recent earlier occurrence -> 5
     output = [5, 6, 1, 9]
-    rows = gc.accepted_runs(prompt, output, n_max=2, k=8, oracle=False)
+    rows = ceiling.accepted_runs(prompt, output, n_max=2, k=8, oracle=False)
     n, available, accepted = rows[0]
     assert n == 2 and accepted == 3  # proposes 5 6 1 2 ...: 5 6 1 accepted, 2 != 9
     assert available >= accepted
     # the oracle may use the older occurrence too (after [1, 2] came 3 4 and 5 6), never worse
-    oracle = gc.accepted_runs(prompt, output, n_max=2, k=8, oracle=True)
+    oracle = ceiling.accepted_runs(prompt, output, n_max=2, k=8, oracle=True)
     assert all(o[2] >= r[2] for o, r in zip(oracle, rows, strict=True))
 
 
 def test_oracle_finds_an_older_occurrence_the_most_recent_one_misses():
     prompt = [7, 1, 3, 4, 8, 1, 5]
     output = [1, 3, 4]  # at t = 1 the tail [1]: most recent -> 5 (wrong), older -> 3 4 (right)
-    recent = gc.accepted_runs(prompt, output, n_max=1, k=4, oracle=False)
-    oracle = gc.accepted_runs(prompt, output, n_max=1, k=4, oracle=True)
+    recent = ceiling.accepted_runs(prompt, output, n_max=1, k=4, oracle=False)
+    oracle = ceiling.accepted_runs(prompt, output, n_max=1, k=4, oracle=True)
     assert recent[1][2] == 0 and oracle[1][2] == 2
 
 
 def test_hindsight_cost_with_free_rows_counts_steps():
     # accepted runs: at t = 0 three tokens, then nothing: steps emit 4, then 1, 1
     rows = [(2, 5, 3), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
-    assert gc.hindsight_cost(rows, FREE) == 3.0
+    assert ceiling.hindsight_cost(rows, FREE) == 3.0
     # with dear rows it still never pays for a row that is not accepted, and may take fewer
-    assert gc.hindsight_cost(rows, LINEAR) <= 6.0
-    assert gc.hindsight_cost([(0, 0, 0)] * 4, LINEAR) == 4.0
+    assert ceiling.hindsight_cost(rows, LINEAR) <= 6.0
+    assert ceiling.hindsight_cost([(0, 0, 0)] * 4, LINEAR) == 4.0
 
 
 def test_rule_cost_pays_for_rejected_rows_and_hindsight_never_costs_more():
     rows = [(1, 4, 0), (3, 4, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
     # propose 4 after a 1-token match (all rejected), 4 after a 3-token match (all accepted)
-    cost = gc.rule_cost(rows, LINEAR, (0, 4, 4, 4, 4))
+    cost = ceiling.rule_cost(rows, LINEAR, (0, 4, 4, 4, 4))
     assert cost == LINEAR[5] + LINEAR[5] + LINEAR[1]  # t = 0 (4 rejected), 1-5, 6
-    assert gc.hindsight_cost(rows, LINEAR) <= cost
-    assert gc.rule_cost(rows, LINEAR, (0, 0, 0, 0, 0)) == 7 * LINEAR[1]  # plain decoding
+    assert ceiling.hindsight_cost(rows, LINEAR) <= cost
+    assert ceiling.rule_cost(rows, LINEAR, (0, 0, 0, 0, 0)) == 7 * LINEAR[1]  # plain decoding
