@@ -362,6 +362,42 @@ def test_a_closed_batch_settled_on_plain_decoding_skips_planning(tiny_llama, tin
                                                      + total.num_non_spec_decode_steps)
 
 
+def test_plain_passes_launched_ahead_in_a_batch_settled_on_plain_decoding(
+        tiny_llama, tiny_llama_draft, llama_reference, test_prompts, monkeypatch):
+    """A draft model's closed batch settled on plain decoding proposes nothing until a
+    sequence joins, so with decode_ahead_enabled each of its plain steps launches the next
+    pass (as plain decoding without speculation does): the same tokens, most steps take the
+    pass launched ahead, and the one launched when a sequence joins is dropped (that step
+    plans again), with every KV block back at the end."""
+    import specserve.spec_decode.batch_cap as batch_cap
+    from specserve.engine import verify_ahead
+
+    monkeypatch.setattr(batch_cap, "MIN_SPEEDUP", 100.0)  # no cap ever pays: settles plain
+
+    def run(ahead: bool):
+        llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft),
+                       num_speculative_tokens=3)
+        engine = llm.llm_engine
+        engine.decode_ahead_enabled = ahead
+        for i, prompt in enumerate(test_prompts[:3]):
+            engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
+        outputs, steps = {}, 0
+        with returned_something(verify_ahead, "take") as taken:
+            while engine.has_unfinished_requests():
+                if steps == REF_TOKENS // 2:
+                    engine.add_request("late", test_prompts[3], _greedy(4))
+                for out in engine.step():
+                    outputs[out.request_id] = out.outputs[0].token_ids
+                steps += 1
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return outputs, taken, steps
+
+    off, _, _ = run(False)
+    on, taken, steps = run(True)
+    assert on == off and [on[str(i)] for i in range(3)] == llama_reference[:3]
+    assert sum(taken) > steps // 2 and not all(taken), (sum(taken), len(taken), steps)
+
+
 def test_a_closed_batch_starts_speculating_only_once_its_prompts_are_in(tiny_llama,
                                                                         tiny_llama_draft,
                                                                         llama_reference,

@@ -143,9 +143,10 @@ class LLMEngine:
         # CUDA, where the GPU runs it while the host commits; on a CPU it would only move work.
         self._verify_ahead: verify_ahead.VerifyAhead | None = None
         self.verify_ahead_enabled = self.device.type == "cuda"
-        # ... and for plain greedy decoding without speculation: the next one-token pass
-        # launched at the end of a step. Off until measured on a GPU (it makes plain steps
-        # hide their host work as speculative ones now do).
+        # ... and for plain greedy decoding (without speculation, or a draft model's batch
+        # settled on plain decoding): the next one-token pass launched at the end of a step.
+        # Off until measured on a GPU (it makes plain steps hide their host work as
+        # speculative ones now do).
         self.decode_ahead_enabled = False
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
@@ -415,9 +416,11 @@ class LLMEngine:
     def _decodes_ahead(self, scheduled: list[ScheduledSequence],
                        sampled: list[ScheduledSequence]) -> bool:
         """Whether this plain greedy step launches the next one (decode_ahead_enabled): no
-        speculation, no multi-step windows, nobody waiting, every sequence a one-token
-        decode."""
-        return (self.decode_ahead_enabled and self.speculation is None
+        speculation, or a draft model's batch settled on plain decoding (whose next step
+        will propose nothing: SpeculationDriver.settled_on_plain); no multi-step windows,
+        nobody waiting, every sequence a one-token decode."""
+        return (self.decode_ahead_enabled
+                and (self.speculation is None or self.speculation.settled_on_plain(sampled))
                 and self.num_scheduler_steps <= 1 and not self.scheduler.waiting
                 and len(sampled) == len(scheduled)
                 and all(s.num_new_tokens == 1 for s in scheduled))

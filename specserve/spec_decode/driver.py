@@ -373,6 +373,15 @@ class SpeculationDriver:
             self._idle_steps += 1  # (a step that looks counts itself once it has planned)
         return skip
 
+    def settled_on_plain(self, sampled: list[ScheduledSequence]) -> bool:
+        """Whether these sequences are a draft model's closed batch settled on plain decoding
+        (see _propose): while the batch stays closed and no newer sequence joins, the next
+        step proposes nothing and plans nothing, so its plain pass may be launched now
+        (LLMEngine.decode_ahead_enabled). If the batch opens instead, that step plans again
+        and the pass launched ahead is not used (verify_ahead.take)."""
+        return (self._settled_newest is not None and bool(sampled)
+                and max(s.seq.seq_id for s in sampled) <= self._settled_newest)
+
     def wants_lookahead(self) -> bool:
         """Whether the scheduler should reserve KV slots for proposals next step: not while a
         closed batch is settled on plain decoding (reserving and rolling them back for every
