@@ -1138,7 +1138,8 @@ def main() -> int:
                   speculative_model=draft_dir, num_speculative_tokens=K_SPEC,
                   speculative_adaptive=True, enable_prefix_caching=False)
         engine = llm.llm_engine
-        engine.decode_ahead_enabled = args.decode_ahead  # (its plain runs, speculation off)
+        # its plain runs (speculation off), and its batches settled on plain decoding
+        engine.decode_ahead_enabled = args.decode_ahead
         driver = engine.speculation
         adaptive = driver.adaptive
         replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)
