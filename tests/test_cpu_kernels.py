@@ -53,8 +53,8 @@ def test_block_linear_equals_dequantized_matmul(qtype, kernel, out_features):
 def test_block_linear_bits_do_not_depend_on_the_column_tiling(qtype, kernel):
     """An output's summation order depends only on how many rows of x share its tile: the same
     weight row gives the same bits whether it sits in a full group of columns or in a panel's
-    tail (a slice of the matrix moves it there). Speculative verification relies on the same
-    inputs giving the same logits whatever else the pass computes."""
+    tail (a slice of the matrix moves it there). So retuning the columns per tile, or cutting
+    a matrix into shards, never changes a model's outputs."""
     raw, _ = _blocks(qtype, 96, 96, seed=4)
     fn = getattr(kernels, kernel)
     gen = torch.Generator().manual_seed(5)
