@@ -138,7 +138,7 @@ class SpeculationDriver:
         self._step = None
         plan, self._next_plan = self._next_plan, None
         if self._settled_newest is not None:
-            if closed and sampled and max(s.seq.seq_id for s in sampled) <= self._settled_newest:
+            if closed and self.settled_on_plain(sampled):
                 # A draft model's closed batch settled on plain decoding (see below): no
                 # planning, nor any other per-sequence work, and no KV slots reserved for
                 # proposals (wants_lookahead). At batch 32 on the H200 the planning's host
