@@ -17,7 +17,7 @@ that will be accepted (hindsight: no rejected row is ever paid for), and a searc
 rules "propose j(n) tokens after a match of length n" gives what the best such rule, fitted to
 this very data, reaches. Host work outside the pass is left out: about the same per step with
 and without proposals (0.35-0.5 ms at batch 1 on the CI machine), it is a cost per step that
-speculation pays less often, so counting it would raise these bounds, by ~1 % at that size.
+speculation pays less often, so counting it would raise these bounds, by 1-2 % at that size.
 
     python benchmarks/grounded_ceiling.py [--tokens 128] [--prompts 6]
 """
