@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from specserve.model import lean_forward
 from specserve.model.base import CausalLM, KVGeometry
 from specserve.model.layers import fused_mlp, triton_ops
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
+from specserve.model.lean_forward import LeanLlamaStack
 from specserve.model.weights import fused_linear
 
 
@@ -107,8 +109,17 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._lean: LeanLlamaStack | None | bool = False  # False: not built yet
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        if input_ids.device.type == "cpu" and lean_forward.ENABLED:
+            # Float32 on the CPU: the same ops as below without the module tree's Python
+            # overhead (~20 % of a SmolLM2 decode pass; see lean_forward.py). Planned on the
+            # first CPU pass, after loading and quantization have settled the modules.
+            if self._lean is False:
+                self._lean = LeanLlamaStack.build(self)
+            if self._lean is not None:
+                return self._lean.forward(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         # Every layer has the same rotary table; look the step's positions up once.
         rope = self.layers[0].self_attn.rotary_emb.table(positions)
