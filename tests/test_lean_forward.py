@@ -11,6 +11,7 @@ import torch
 from helpers import cpu_runner
 
 from specserve.model import lean_forward
+from specserve.model.layers.attention.torch_backend import TorchAttentionBackend
 from specserve.model.lean_forward import LeanLlamaStack
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
@@ -40,7 +41,13 @@ def _logits(make_runner, enabled: bool, monkeypatch) -> list[torch.Tensor]:
 
 
 def _same_both_ways(make_runner, monkeypatch) -> None:
+    passes = []  # per step: did the backend's one-pass attention serve the layers?
+    real = TorchAttentionBackend.layer_pass
+    monkeypatch.setattr(TorchAttentionBackend, "layer_pass",
+                        lambda self, *a: passes.append(real(self, *a)) or passes[-1])
     lean = _logits(make_runner, True, monkeypatch)
+    # the prefill through each layer's forward_packed, decode and verification in one pass
+    assert [p is not None for p in passes] == [False, True, True]
     modules = _logits(make_runner, False, monkeypatch)
     for step, (a, b) in enumerate(zip(lean, modules, strict=True)):
         assert torch.equal(a, b), f"step {step}: the lean forward's logits differ"

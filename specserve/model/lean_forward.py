@@ -114,7 +114,11 @@ class LeanLlamaStack:
         inside the norm after it)."""
         kernels = self.kernels
         hidden = F.embedding(input_ids, self.embedding)  # [T, hidden]
-        rope = self.layers[0].rotary.table(positions)  # one table for every layer
+        first = self.layers[0]
+        rope = first.rotary.table(positions)  # one table for every layer
+        # The backend's per-step attention, when it has one (the CPU kernels' decode and
+        # verification steps); else each layer's forward_packed.
+        attend = first.attention.backend.layer_pass(meta, first.rotary, rope)
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -124,7 +128,10 @@ class LeanLlamaStack:
                 normed, residual = kernels.add_rms_norm(hidden, residual, layer.input_norm,
                                                         layer.input_eps)
             qkv = layer.qkv(normed)  # [T, q + 2 kv]
-            attn = layer.attention.forward_packed(qkv, layer.rotary, rope, meta)  # [T, q]
+            if attend is not None:
+                attn = attend(qkv, layer.attention)  # [T, q]
+            else:
+                attn = layer.attention.forward_packed(qkv, layer.rotary, rope, meta)
             normed, residual = kernels.add_rms_norm(layer.o(attn), residual, layer.post_norm,
                                                     layer.post_eps)
             gate_up = layer.gate_up(normed)  # [T, 2I]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +11,11 @@ import torch
 from specserve.model.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from specserve.model.layers.attention.layer import Attention
     from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable
+
+#: qkv [T, (H + 2 KvH) D] of one layer, that layer's Attention -> its output [T, H D]
+LayerPass = Callable[[torch.Tensor, "Attention"], torch.Tensor]
 
 
 class AttentionBackend(ABC):
@@ -63,3 +68,10 @@ class AttentionBackend(ABC):
         query: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, kv_heads,
         head_dim]. Returns [num_tokens, num_heads, head_dim].
         """
+
+    def layer_pass(self, meta: AttentionMetadata, rotary: RotaryEmbedding,
+                   rope: RotaryTable) -> LayerPass | None:
+        """For a model that runs its layers in one flat loop (model/lean_forward.py): a function
+        doing what ``Attention.forward_packed`` does for any layer of this step, with the
+        step's choices made once, or None (this default) to keep forward_packed."""
+        return None

@@ -374,3 +374,38 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         return meta.backend_state["torch"].attend(query, k_cache, v_cache, scale)  # [T, H, D]
+
+    def layer_pass(self, meta, rotary, rope):
+        """Decode and verification steps in float32 with the CPU kernels: per layer, the C++
+        rotary + KV write (rotate_and_write_kv's fast branch) and the C++ attention
+        (_KernelRunsLayout.attend's), with no other Python between them. The checks those two
+        repeat in every layer are made here once for the step, or per layer where they depend
+        on the layer (its cache's dtype and head size); a layer that fails them, and a step
+        of any other layout, goes through forward_packed as before."""
+        layout = meta.backend_state.get("torch")
+        kernels = cpu_kernels.load()
+        if (type(layout) is not _KernelRunsLayout or kernels is None
+                or rotary.rotary_dim != rotary.head_dim or rope.cos.dtype != torch.float32):
+            return None
+        half = rotary.head_dim // 2
+        cos, sin = rope.cos.view(-1, half), rope.sin[:, 0, 1]  # as rotate_and_write_kv passes
+        slots, mirror = meta.slot_mapping, self.mirror
+        query_start, seq_lens = layout.query_start, layout.seq_lens
+        num_seqs = seq_lens.shape[0]
+
+        def run(qkv: torch.Tensor, attention) -> torch.Tensor:
+            k_cache, v_cache = attention.k_cache, attention.v_cache
+            kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            if not (qkv.is_contiguous() and qkv.dtype == k_cache.dtype == torch.float32
+                    and head_dim == rotary.head_dim and head_dim in (16, 32, 64, 128)):
+                return attention.forward_packed(qkv, rotary, rope, meta)
+            mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
+            extra = layout.extra_kv_rows(k_cache)
+            query = kernels.rope_write_kv(
+                qkv, cos, sin, attention.num_heads, kv_heads, k_cache.view(-1, kv_heads, head_dim),
+                v_cache.view(-1, kv_heads, head_dim), slots, *(extra or ()))  # [T, H, D]
+            k, v = layout.context(k_cache, v_cache, num_seqs)  # [S, KvH, K, D]
+            out = kernels.run_attention(query, k, v, query_start, seq_lens, attention.scale)
+            return out.view(qkv.shape[0], -1)  # [T, H * D]
+
+        return run
