@@ -1,23 +1,28 @@
 """The Llama decoder stack as one flat loop, for eager float32 passes on the CPU.
 
-Why: a CPU decode pass of SmolLM2 (30 layers) spent about 2 ms of its ~10 in Python around
+Why: a CPU decode pass of SmolLM2 (30 layers) spent about 2 ms of its ~9 in Python around
 the kernels: ~7 ``nn.Module.__call__`` per layer, ``Module.__getattr__`` for every submodule and
 parameter, and the device/dtype checks each layer repeats to pick between its CUDA, CPU-kernel
-and torch paths (on the 2-core CI machine, session 21, 1-row pass 9.83 -> 7.95 ms, 6-row
-verification pass 18.9 -> 17.1 ms). Those choices do not change within a model, so they are
-made once, here, when the plan is built: each layer becomes a tuple of the tensors and bound
-functions its pass calls, and the loop calls them with nothing in between.
+and torch paths. Those choices do not change within a model, so they are made once, here, when
+the plan is built: each layer becomes a tuple of the tensors and bound functions its pass calls,
+and the loop calls them with nothing in between. The attention backend does the same for its
+part of each step (``AttentionBackend.layer_pass``: the CPU kernels' rotary + KV write and
+attention, their checks made once per step). On the 2-core CI machine (session 21): 1-row pass
+8.74 -> 6.74 ms, 6-row verification pass 16.68 -> 14.58 ms, engine decode at batch 1 1.28x.
 
 The module tree stays the definition of the model and serves every other device and dtype. This
 plan runs the very same ops in the same order on the same tensors (the CPU kernels of
 layers/csrc for the norms and GGUF projections, ``F.linear`` for dense ones, the attention
-layer's own ``forward_packed``), so its outputs are bit-identical to the modules' (checked by
-tests/test_lean_forward.py on dense and GGUF checkpoints, prefill, decode and verification).
+backend's kernels or the layer's own ``forward_packed``), so its outputs are bit-identical to
+the modules' (checked by tests/test_lean_forward.py on dense and GGUF checkpoints, prefill,
+decode and verification).
 
 A model gets a plan only when every piece is one whose CPU path is known here: float32
 weights, the CPU kernels loaded, ``RMSNorm`` norms, and projections that are plain
 ``nn.Linear`` or ``GGUFBlockLinear``. Anything else (a quantized int4/int8 module, a model on
-CUDA, ``SPECSERVE_CPU_KERNELS=0``) keeps the module path.
+CUDA, ``SPECSERVE_CPU_KERNELS=0``) keeps the module path. The plan is built on the model's first
+CPU pass and holds its modules' tensors from then on: code that replaces a layer's modules after
+that must reset ``LlamaModel._lean`` to False (it is rebuilt on the next pass).
 """
 
 from __future__ import annotations
