@@ -353,16 +353,23 @@ class TorchAttentionBackend(AttentionBackend):
         if not (rotary.rotary_dim == rotary.head_dim and qkv.is_contiguous()
                 and qkv.dtype == k_cache.dtype and cpu_kernels.available(qkv)):
             return super().rotate_and_write_kv(qkv, rotary, rope, k_cache, v_cache, meta)
+        half = k_cache.shape[3] // 2
+        return self._rope_write_kv(qkv, rope.cos.view(-1, half), rope.sin[:, 0, 1], k_cache,
+                                   v_cache, meta.slot_mapping,
+                                   meta.backend_state.get("torch"))  # [T, H, D]
+
+    def _rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slots,
+                       layout: _Layout | None) -> torch.Tensor:
+        """The C++ rotary + KV write of a float32 qkv [T, (H + 2 KvH) D] with full-width
+        rotation; cos, sin [T, D / 2]; layout None when called outside a prepared step.
+        Returns the rotated queries [T, H, D]."""
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
         self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
-        layout = meta.backend_state.get("torch")  # None when called outside a prepared step
         extra = None if layout is None else layout.extra_kv_rows(k_cache)
-        half = head_dim // 2
         return cpu_kernels.load().rope_write_kv(
-            qkv, rope.cos.view(-1, half), rope.sin[:, 0, 1], num_heads, kv_heads,
-            k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim),
-            meta.slot_mapping, *(extra or ()))  # [T, H, D]
+            qkv, cos, sin, num_heads, kv_heads, k_cache.view(-1, kv_heads, head_dim),
+            v_cache.view(-1, kv_heads, head_dim), slots, *(extra or ()))  # [T, H, D]
 
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
@@ -377,35 +384,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     def layer_pass(self, meta, rotary, rope):
         """Decode and verification steps in float32 with the CPU kernels: per layer, the C++
-        rotary + KV write (rotate_and_write_kv's fast branch) and the C++ attention
-        (_KernelRunsLayout.attend's), with no other Python between them. The checks those two
-        repeat in every layer are made here once for the step, or per layer where they depend
-        on the layer (its cache's dtype and head size); a layer that fails them, and a step
-        of any other layout, goes through forward_packed as before."""
+        rotary + KV write (rotate_and_write_kv's fast branch) and the step's attention
+        (_KernelRunsLayout.attend), with no other Python between them. The checks that
+        rotate_and_write_kv repeats in every layer are made once for the step, or per layer
+        where they depend on the layer; a layer that fails them, and a step of any other
+        layout, goes through forward_packed as before."""
         layout = meta.backend_state.get("torch")
-        kernels = cpu_kernels.load()
-        if (type(layout) is not _KernelRunsLayout or kernels is None
+        if (type(layout) is not _KernelRunsLayout or cpu_kernels.load() is None
                 or rotary.rotary_dim != rotary.head_dim or rope.cos.dtype != torch.float32):
             return None
         half = rotary.head_dim // 2
         cos, sin = rope.cos.view(-1, half), rope.sin[:, 0, 1]  # as rotate_and_write_kv passes
-        slots, mirror = meta.slot_mapping, self.mirror
-        query_start, seq_lens = layout.query_start, layout.seq_lens
-        num_seqs = seq_lens.shape[0]
+        slots = meta.slot_mapping
 
         def run(qkv: torch.Tensor, attention) -> torch.Tensor:
             k_cache, v_cache = attention.k_cache, attention.v_cache
-            kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
             if not (qkv.is_contiguous() and qkv.dtype == k_cache.dtype == torch.float32
-                    and head_dim == rotary.head_dim and head_dim in (16, 32, 64, 128)):
+                    and k_cache.shape[3] == rotary.head_dim):
                 return attention.forward_packed(qkv, rotary, rope, meta)
-            mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
-            extra = layout.extra_kv_rows(k_cache)
-            query = kernels.rope_write_kv(
-                qkv, cos, sin, attention.num_heads, kv_heads, k_cache.view(-1, kv_heads, head_dim),
-                v_cache.view(-1, kv_heads, head_dim), slots, *(extra or ()))  # [T, H, D]
-            k, v = layout.context(k_cache, v_cache, num_seqs)  # [S, KvH, K, D]
-            out = kernels.run_attention(query, k, v, query_start, seq_lens, attention.scale)
+            query = self._rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, layout)
+            out = layout.attend(query, k_cache, v_cache, attention.scale)  # [T, H, D]
             return out.view(qkv.shape[0], -1)  # [T, H * D]
 
         return run
