@@ -16,7 +16,6 @@ from specserve.model.layers import fused_mlp, triton_ops
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
-from specserve.model.lean_forward import LeanLlamaStack
 from specserve.model.weights import fused_linear
 
 
@@ -109,7 +108,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._lean: LeanLlamaStack | None | bool = False  # False: not built yet
+        self._lean: lean_forward.LeanLlamaStack | None | bool = False  # False: not built yet
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         if input_ids.device.type == "cpu" and lean_forward.ENABLED:
@@ -117,7 +116,7 @@ class LlamaModel(nn.Module):
             # overhead (~2 ms of a ~9 ms SmolLM2 decode pass; see lean_forward.py). Planned on
             # the first CPU pass, after loading and quantization have settled the modules.
             if self._lean is False:
-                self._lean = LeanLlamaStack.build(self)
+                self._lean = lean_forward.LeanLlamaStack.build(self)
             if self._lean is not None:
                 return self._lean.forward(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
