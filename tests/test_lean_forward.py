@@ -78,7 +78,12 @@ def test_lean_forward_equals_the_modules_on_smollm2_gguf_blocks(smollm2_gguf, mo
 def test_lean_forward_stands_aside_for_what_it_does_not_cover(tiny_llama, monkeypatch):
     runner = cpu_runner(tiny_llama, BLOCK, 16)
     model = runner.model.model
+    prefill = _steps([(11 * i + 5) % 60 + 3 for i in range(21)])[0]
+    before = runner.execute(prefill)
+    assert isinstance(model._lean, LeanLlamaStack)  # planned on the first CPU pass
     model.layers[0].mlp.down_proj = torch.nn.Sequential(model.layers[0].mlp.down_proj)
     assert LeanLlamaStack.build(model) is None  # a projection it does not know
+    model._lean = False  # modules replaced after the plan: planned again on the next pass
+    assert torch.equal(runner.execute(prefill), before) and model._lean is None
     monkeypatch.setattr("specserve.model.layers.cpu_kernels.load", lambda: None)
     assert LeanLlamaStack.build(cpu_runner(tiny_llama, BLOCK, 16).model.model) is None
