@@ -17,6 +17,7 @@ from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun
 
 BLOCK = 16
+PROMPT = [(11 * i + 5) % 60 + 3 for i in range(21)]
 
 
 def _steps(prompt: list[int]) -> list[list[SequenceRun]]:
@@ -36,8 +37,7 @@ def _steps(prompt: list[int]) -> list[list[SequenceRun]]:
 def _logits(make_runner, enabled: bool, monkeypatch) -> list[torch.Tensor]:
     monkeypatch.setattr(lean_forward, "ENABLED", enabled)
     runner = make_runner()
-    prompt = [(11 * i + 5) % 60 + 3 for i in range(21)]
-    return [runner.execute(runs) for runs in _steps(prompt)]
+    return [runner.execute(runs) for runs in _steps(PROMPT)]
 
 
 def _same_both_ways(make_runner, monkeypatch) -> None:
@@ -78,7 +78,7 @@ def test_lean_forward_equals_the_modules_on_smollm2_gguf_blocks(smollm2_gguf, mo
 def test_lean_forward_stands_aside_for_what_it_does_not_cover(tiny_llama, monkeypatch):
     runner = cpu_runner(tiny_llama, BLOCK, 16)
     model = runner.model.model
-    prefill = _steps([(11 * i + 5) % 60 + 3 for i in range(21)])[0]
+    prefill = _steps(PROMPT)[0]
     before = runner.execute(prefill)
     assert isinstance(model._lean, LeanLlamaStack)  # planned on the first CPU pass
     model.layers[0].mlp.down_proj = torch.nn.Sequential(model.layers[0].mlp.down_proj)
