@@ -167,6 +167,14 @@ class SpeculationDriver:
             if not any(ks):
                 return proposals, None, None
             return self._proposals(decoding, seqs, ks, sampled, proposals, on_device)
+        if self.adaptive is not None and seqs:
+            pinned = [seq.params.sampling_type is not SamplingType.GREEDY for seq in seqs]
+            ids = [seq.seq_id for seq in seqs]
+            if not self.proposer.has_probs and self._skips_looking(ids, closed, any(pinned)):
+                # (before the limits and the declined proposals' scoring, which a step that
+                # does not look would compute for nothing: ~0.1 ms at batch 32 on the CPU)
+                self.adaptive.costs.step += 1
+                return proposals, None, None
         ks = [self._limit(s, len(scheduled)) for _, s in decoding]
         if self._shadows:
             for seq in seqs:
@@ -174,13 +182,8 @@ class SpeculationDriver:
         if not any(ks):
             return proposals, None, None
         if self.adaptive is not None:
-            pinned = [seq.params.sampling_type is not SamplingType.GREEDY for seq in seqs]
-            ids = [seq.seq_id for seq in seqs]
             if not self.proposer.has_probs:
                 # Draft-free proposals are cheap: find them first, then keep what pays.
-                if self._skips_looking(ids, closed, any(pinned)):
-                    self.adaptive.costs.step += 1
-                    return proposals, None, None
                 out = self.proposer.propose(seqs, ks)
                 found = [t[:k] for t, k in zip(out.token_ids, ks, strict=True)]
                 lengths = out.match_lengths or [0] * len(seqs)
