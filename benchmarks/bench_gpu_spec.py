@@ -989,9 +989,10 @@ def main() -> int:
                     help="print every Triton kernel compiled during section 4's runs")
     ap.add_argument("--compile-deadline", type=float, default=420.0,
                     help="skip the compile attempt if this many seconds have passed")
-    ap.add_argument("--decode-ahead", action="store_true",
-                    help="plain greedy decodes launched a step ahead in every engine of "
-                         "sections 1, 2 and 4 (LLMEngine.decode_ahead_enabled; off by default)")
+    ap.add_argument("--no-decode-ahead", action="store_true",
+                    help="plain greedy decodes NOT launched a step ahead in the engines of "
+                         "sections 1, 2 and 4 (LLMEngine.decode_ahead_enabled, on by default "
+                         "on CUDA)")
     ap.add_argument("--decode-ahead-ab", action="store_true",
                     help="after section 2: plain decoding at batch 1 and 32 with the next pass "
                          "launched ahead and without, interleaved in one engine")
@@ -1045,7 +1046,7 @@ def main() -> int:
     llm = LLM(model=target_dir, device=device.type, dtype=dname, max_model_len=1024,
               max_num_seqs=256, kv_cache_memory_bytes=(1 if smoke else 24) << 30,
               enable_prefix_caching=False)  # synthetic steps below overwrite KV blocks
-    llm.llm_engine.decode_ahead_enabled = args.decode_ahead
+    llm.llm_engine.decode_ahead_enabled = not args.no_decode_ahead
     runner = llm.llm_engine.runner
     say(f"target: {t_params / 1e9:.2f} B params, {t_read / 1e9:.2f} GB read per step; "
         f"draft: {d_read / 1e9:.2f} GB; graphs: {runner.graphs is not None}")
@@ -1139,7 +1140,7 @@ def main() -> int:
                   speculative_adaptive=True, enable_prefix_caching=False)
         engine = llm.llm_engine
         # its plain runs (speculation off), and its batches settled on plain decoding
-        engine.decode_ahead_enabled = args.decode_ahead
+        engine.decode_ahead_enabled = not args.no_decode_ahead
         driver = engine.speculation
         adaptive = driver.adaptive
         replay = ReplayProposer(driver.proposer, {}, 0.0, seed=0)

@@ -398,6 +398,56 @@ def test_plain_passes_launched_ahead_in_a_batch_settled_on_plain_decoding(
     assert sum(taken) > steps // 2 and not all(taken), (sum(taken), len(taken), steps)
 
 
+def test_plain_steps_of_a_batch_still_planning_launch_their_next_pass_ahead(
+        tiny_llama, tiny_llama_draft, llama_reference, test_prompts):
+    """A draft model's closed batch that has not settled on plain decoding plans each next
+    step as soon as a step's tokens are read, after plain steps too
+    (SpeculationDriver.plan_after_plain): when the next step decodes plainly its pass is
+    launched then, whether this step speculated or not, and when it speculates it drafts at
+    the planned k. With a scripted plan (two speculative steps, two plain ones, ...) every
+    transition happens: the tokens are plain decoding's, the plain passes launched ahead are
+    used, the one launched when a request joins is dropped, and every KV block comes back."""
+    from specserve.engine import verify_ahead
+
+    llm = tiny_llm(tiny_llama, speculative_model=str(tiny_llama_draft), num_speculative_tokens=3)
+    engine = llm.llm_engine
+    driver = engine.speculation
+    driver.proposer.launch_ahead_enabled = True  # (off the GPU all three are off)
+    engine.verify_ahead_enabled = True
+    engine.decode_ahead_enabled = True
+    adaptive = driver.adaptive
+    policy = adaptive.plan
+    plans: list[bool] = []  # per plan: speculates?
+
+    def scripted(seq_ids, limits, *args, **kwargs):
+        policy(seq_ids, limits, *args, **kwargs)
+        adaptive.settled_plain = False
+        speculate = (len(plans) // 2) % 2 == 0
+        plans.append(speculate)
+        return [min(2, k) if speculate else 0 for k in limits]
+
+    adaptive.plan = scripted
+    for i, prompt in enumerate(test_prompts[:3]):
+        engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
+    outputs, steps = {}, 0
+    with (returned_something(verify_ahead, "take") as taken,
+          returned_something(driver, "plan_after_plain") as after_plain):
+        while engine.has_unfinished_requests():
+            if steps == 8:
+                engine.add_request("late", test_prompts[3], _greedy(4))
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+    assert [outputs[str(i)] for i in range(3)] == llama_reference[:3]
+    assert outputs["late"] == llama_reference[3][:4]
+    assert sum(after_plain) >= 3 and not all(after_plain)  # plain -> plain, plain -> spec
+    assert sum(taken) > steps // 2 and not all(taken), (sum(taken), len(taken), steps)
+    assert driver.metrics.total.num_draft_tokens > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert driver.proposer.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not driver._recorded_early
+
+
 def test_a_closed_batch_starts_speculating_only_once_its_prompts_are_in(tiny_llama,
                                                                         tiny_llama_draft,
                                                                         llama_reference,
