@@ -391,16 +391,7 @@ class AdaptiveSpeculation:
         engine-wide prior (the previous batches' text), so a batch learned ~30 % of its own
         acceptance: on the H200 at batch 32, text at 0.7 after batches at 0.5 looked like
         0.56 and decoded plainly. The batch's 32 outcomes together measure its rate to
-        about +-0.09; each sequence's own average then goes on from there.
-
-        The rate pooled is that mean less one standard error (sqrt(p (1 - p) / n)), so that a
-        batch turns speculation on only when it pays at a rate its evidence supports. At the
-        mean itself the decision near break-even was a coin flip on 32 samples: on the H200
-        at batch 32 and acceptance 0.5 (where a cap-1 step costs ~1.36 plain steps and gains
-        1.5 tokens, ~1.0x once the batch's ragged end is counted) batches that learned
-        0.55-0.6 by chance speculated for 19-72 steps and ran 0.95-0.98x plain decoding
-        (session 22); at 0.7 and 0.9 the margin is wide enough that one standard error
-        (0.08, 0.05) does not change the choice."""
+        about +-0.09; each sequence's own average then goes on from there."""
         learning = self.learning
         if not learning.pending or learning.pooled or learning.batch.isdisjoint(seq_ids):
             return
@@ -409,9 +400,8 @@ class AdaptiveSpeculation:
         if not ids or any(o is None for o in outcomes):
             return
         mean = sum(outcomes) / len(outcomes)
-        supported = max(mean - math.sqrt(mean * (1.0 - mean) / len(outcomes)), 0.0)
         for seq_id in ids:
-            self.acceptance[seq_id][0] = supported
+            self.acceptance[seq_id][0] = mean
         learning.pooled = True
 
     def _cap(self, seq_ids: list[int], ks: list[int], limits: list[int],
