@@ -25,9 +25,11 @@ from specserve.spec_decode.adaptive import (
 )
 from specserve.spec_decode.batch_cap import (
     CAP_EXPIRY,
+    FRUITFUL_TOKENS,
     MAX_UNLEARNED_BATCHES,
     TRIES_PER_CAP,
     CapCosts,
+    LearningBackoff,
     batch_bucket,
     makespan_stretch,
 )
@@ -661,7 +663,7 @@ def test_closed_batches_back_off_from_learning_that_does_not_pay():
         """(whether the young batch ran a cap, the cap it settled on)"""
         batch = list(range(next(first_ids), 0, -1))[:32]
         young_cap = False
-        for generated in (*range(1, CLOSED_EXPLORE_TOKENS + 1), 12):
+        for generated in (*range(1, CLOSED_EXPLORE_TOKENS + 1), 12, FRUITFUL_TOKENS):
             policy.plan(batch, [4] * 32, plan_first=True, closed=True,
                         remaining=[128 - generated] * 32, generated=[generated] * 32)
             if generated == 1:  # a batch that skips learning is settled from its start
@@ -692,6 +694,35 @@ def test_closed_batches_back_off_from_learning_that_does_not_pay():
     assert shifted[-1][1] > 0
     assert (policy.learning.fruitless, policy.learning.skip_left) == (0, 0)
     assert closed_batch(0.8)[0]  # the next batch speculates from its start
+
+
+def test_a_learning_batch_that_stops_speculating_early_learned_nothing():
+    """A learning batch that speculates past its start and then decodes plainly before
+    FRUITFUL_TOKENS counts as fruitless (the next batch skips learning); one still
+    speculating at FRUITFUL_TOKENS resets the backoff. (At acceptance 0.5 on the H200 at
+    batch 32 most learning batches speculated 4-23 steps and stopped, and each reset the
+    backoff: 8 of 9 batches paid ~3.5 % for learning.)"""
+    backoff = LearningBackoff()
+    batches = (list(range(first, first + 32)) for first in range(0, 10_000, 100))
+
+    def learns_and_stops() -> None:
+        assert backoff.learns(next(batches))
+        backoff.settled(1, CLOSED_EXPLORE_TOKENS + 1)  # speculating past its start
+        backoff.settled(1, 20)
+        assert backoff.pending  # not judged yet
+        backoff.settled(0, 24)  # ... then plain
+
+    learns_and_stops()
+    assert (backoff.fruitless, backoff.skip_left) == (1, 1)
+    assert not backoff.learns(next(batches))
+    learns_and_stops()
+    assert (backoff.fruitless, backoff.skip_left) == (2, 3)
+    assert not any(backoff.learns(next(batches)) for _ in range(3))  # the next three
+    assert backoff.learns(next(batches))
+    backoff.settled(1, CLOSED_EXPLORE_TOKENS + 1)
+    backoff.settled(1, FRUITFUL_TOKENS)  # still speculating: its text pays
+    assert (backoff.fruitless, backoff.skip_left, backoff.pending) == (0, 0, False)
+    assert backoff.learns(next(batches))
 
 
 def test_a_learning_step_gives_the_batch_its_own_mean_rate():

@@ -494,7 +494,7 @@ class AdaptiveSpeculation:
             self.costs.step, n, expected.tolist(),
             explore_from_plain=not settled and not skipped, learn=learn)
         if settled:
-            self.learning.settled(cap)
+            self.learning.settled(cap, sum(generated) / len(generated))
         # A batch that skipped learning and decodes plainly is settled from its start: no
         # verification will change its acceptance, and it tries no cap (so the driver stops
         # planning for it: at batch 32 planning a young batch cost ~0.5 ms a step on the CPU)

@@ -53,6 +53,7 @@ CAP_SAMPLES = 8  # kept per (batch bucket, cap)
 TRIES_PER_CAP = 2  # measured steps before a neighbour of the best cap is judged
 MAX_BORROW_BUCKETS = 8  # a bucket borrows measurements from at most this many buckets up
 MAX_UNLEARNED_BATCHES = 3  # new closed batches in a row that may skip learning (see below)
+FRUITFUL_TOKENS = 48  # a learning batch still speculating this far in has learned something
 
 
 @functools.cache
@@ -122,14 +123,24 @@ class LearningBackoff:
             self.pooled = False
         return self.learning
 
-    def settled(self, cap: int) -> None:
-        """A closed batch past its start chose `cap` (0: plain decoding) on its own evidence."""
-        if cap > 0:
-            self.fruitless = self.skip_left = 0
-        elif self.pending:
+    def settled(self, cap: int, generated: float) -> None:
+        """A closed batch past its start chose `cap` (0: plain decoding) on its own evidence,
+        its sequences having generated `generated` tokens on average. A learning batch counts
+        as fruitful only once it is still speculating at FRUITFUL_TOKENS: at acceptance 0.5 on
+        the H200 at batch 32 most learning batches speculated for 4-23 steps after learning
+        and then decoded plainly (0.94-0.98x plain decoding), and each reset the backoff, so
+        8 of 9 batches paid for learning (session 22)."""
+        if not self.pending:
+            if cap > 0:  # (a batch that did not learn and speculates: its text pays)
+                self.fruitless = self.skip_left = 0
+            return
+        if cap == 0:
             self.fruitless += 1
             self.skip_left = min(2 ** self.fruitless - 1, MAX_UNLEARNED_BATCHES)
-        self.pending = False
+            self.pending = False
+        elif generated >= FRUITFUL_TOKENS:
+            self.fruitless = self.skip_left = 0
+            self.pending = False
 
 
 @dataclass
