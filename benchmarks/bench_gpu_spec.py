@@ -943,6 +943,7 @@ def profile_decode(llm: LLM, prompt: list[list[int]], out: Path | None) -> None:
 
 # ---- main -------------------------------------------------------------------------------------
 def main() -> int:
+    global ACCEPTANCES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
@@ -993,10 +994,13 @@ def main() -> int:
                     help="plain greedy decodes NOT launched a step ahead in the engines of "
                          "sections 1, 2 and 4 (LLMEngine.decode_ahead_enabled, on by default "
                          "on CUDA)")
+    ap.add_argument("--acceptances", type=float, nargs="+", default=list(ACCEPTANCES),
+                    help="section 4's acceptance rates (default: %(default)s)")
     ap.add_argument("--decode-ahead-ab", action="store_true",
                     help="after section 2: plain decoding at batch 1 and 32 with the next pass "
                          "launched ahead and without, interleaved in one engine")
     args = ap.parse_args()
+    ACCEPTANCES = tuple(args.acceptances)  # (section 4 and its report read the module's)
     t_start = time.perf_counter()
     if args.log_compiles:
         log_triton_compiles()
