@@ -369,7 +369,8 @@ class LLMEngine:
             closed = (self.verify_ahead_enabled and not self.scheduler.waiting
                       and len(sampled) == len(sched.scheduled))
             launched = self.speculation.launch_ahead(sampled, proposals, verified, closed)
-            if launched is not None:
+            # (a next step planned plain gets its pass launched only with decode_ahead_enabled)
+            if launched is not None and (launched[1] is not None or self.decode_ahead_enabled):
                 self._verify_ahead = verify_ahead.launch(
                     self.runner, self.block_manager, sampled, verified.emitted, *launched)
         touched: dict[str, Request] = {}
