@@ -51,6 +51,10 @@ class _Plan:
     cap: int | None  # the batch cap the plan ran (batch_cap.py)
     settled: bool  # the plan settled the closed batch on plain decoding
 
+    def k_by_seq(self) -> dict[int, int]:
+        """seq_id -> planned k: what the pass launched ahead for this plan verifies."""
+        return {seq_id: k for seq_id, (_, k) in self.ks.items()}
+
 
 def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence]) -> bool:
     """The step runs only the batch's one-token decodes (no prompt chunks): its time is a
@@ -311,12 +315,12 @@ class SpeculationDriver:
                 counts.append((len(props), accepted))
         if not seqs:
             # the next step decodes plainly: its pass can be launched now all the same
-            return ({seq_id: 0 for seq_id in plan.ks}, None) if plan.ks else None
+            return (plan.k_by_seq(), None) if plan.ks else None
         self.proposer.launch_ahead(seqs, ks, emitted, counts)
         launched = self.proposer.launched_tokens(seqs)  # [A, K]
         if launched is None:
             return None
-        return {seq_id: k for seq_id, (_, k) in plan.ks.items()}, launched
+        return plan.k_by_seq(), launched
 
     def plan_after_plain(self, sampled: list[ScheduledSequence],
                          verified: VerifyResult) -> dict[int, int] | None:
@@ -337,9 +341,8 @@ class SpeculationDriver:
             return None
         plan = self._plan_ahead(sampled, [[] for _ in sampled], verified)
         self._next_plan = plan
-        if not plan.ks or any(k for _, k in plan.ks.values()):
-            return None
-        return {seq_id: 0 for seq_id in plan.ks}
+        ks = plan.k_by_seq()
+        return ks if ks and not any(ks.values()) else None
 
     @property
     def took_launched(self) -> bool:
