@@ -21,7 +21,10 @@ matmul rate (8192^3). Then:
      transformers generate eager (and static cache + torch.compile, attempted last).
   2. throughput at batch 1, 8, 32, 128, 256 (128-token prompts, 128 new tokens).
   3. verify cost: one target step with k + 1 query tokens per sequence over a plain decode
-     step, k = 1..8, batch 1, 8, 32, context 512.
+     step, k = 1..8, batch 1, 8, 32, context 512: the logits step (execute(): the graph
+     gives hidden states, lm_head and the float32 logits run after it, as for sampled
+     requests) and the greedy step the engine runs for greedy requests (execute_argmax():
+     lm_head and argmax inside the graph, token ids read back).
   4. speculative speedup at controlled acceptance (spec_decode/benchmark_proposer.py: the 1B
      draft runs for real, its tokens are replaced by the target's recorded greedy tokens,
      corrupted with probability 1 - a): batch 1 at k = 4 (fixed) for a = 0.5, 0.7, 0.9 against
@@ -1117,11 +1120,16 @@ def main() -> int:
 
     # -- 3. verify cost
     runner.enable_cuda_graphs(256, 9, 1024)
-    ver = {}
+    ver, ver_greedy = {}, {}
     for b in () if args.spec_only else ((1, 2) if smoke else (1, 8, 32)):
         base = step_time(runner, b, 1, 512, 20)
         ver[b] = [base] + [step_time(runner, b, k + 1, 512, 20) for k in range(1, 9)]
+        # the greedy step the engine runs (lm_head and argmax inside the graph, one read)
+        base = step_time(runner, b, 1, 512, 20, argmax=True)
+        ver_greedy[b] = [base] + [step_time(runner, b, k + 1, 512, 20, argmax=True)
+                                  for k in range(1, 9)]
     results["verify"] = {b: v for b, v in ver.items()}
+    results["verify_greedy"] = {b: v for b, v in ver_greedy.items()}
     captured = len(runner.graphs.graphs) + len(runner.graphs.argmax_graphs) if runner.graphs else 0
     del llm, runner, graphs_saved
     free()
@@ -1437,6 +1445,12 @@ def main() -> int:
         say(f"| {b} | execute() wall | {1e3 * w0:.2f} | "
             + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
         say(f"| {b} | graph GPU | {1e3 * g0:.2f} | "
+            + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
+    for b, v in ver_greedy.items():
+        w0, g0 = v[0]
+        say(f"| {b} | greedy: execute_argmax() wall | {1e3 * w0:.2f} | "
+            + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
+        say(f"| {b} | greedy: graph GPU | {1e3 * g0:.2f} | "
             + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
 
     if not args.no_spec:
