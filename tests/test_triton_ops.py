@@ -100,11 +100,17 @@ def test_linear_dispatches_only_one_cuda_half_row():
 
 
 @pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
-                                                     ("dot", 16, 32), ("dot", 32, 64)])
-@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (9, 20, False)])
+                                                     ("dot", 16, 32), ("dot", 32, 64),
+                                                     ("tma", 16, 32), ("tma", 32, 64)])
+@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (51, 68, True),
+                                            (9, 20, False)])
 def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
-    """Multi-row GEMV (layers/gemv.py), both variants, M = 1..16 (each row bucket, and M not a
-    power of two: padded rows must be neither read nor written), even and uneven N and K."""
+    """Multi-row GEMV (layers/gemv.py), every variant, M = 1..16 (each row bucket, and M not a
+    power of two: padded rows must be neither read nor written), even and uneven N and K
+    ("tma" at 68 columns: the descriptor's zero fill past the edges; at 70 the float32 row
+    stride is not 16-byte aligned, so the "dot" kernel serves it)."""
+    if variant == "tma":
+        assert gemv.tma_serves(torch.zeros(1, cols), torch.zeros(rows, cols)) == (cols != 70)
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(rows, cols, generator=gen)  # [N, K]
     b = torch.randn(rows, generator=gen) if bias else None
@@ -117,7 +123,7 @@ def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["fma", "dot"])
+@pytest.mark.parametrize("variant", ["fma", "dot", "tma"])
 def test_gemv_rows_half_precision(variant):
     """fp16 in and out (the interpreter's bf16 dot is wrong, see triton_kernels.py), float32
     sums: within fp16 rounding of the float64 product."""
