@@ -138,7 +138,8 @@ def test_gemv_rows_half_precision(variant):
 
 def test_linear_dispatch(monkeypatch):
     """With the kernels allowed (as on CUDA), ``linear`` sends 2..MAX_ROWS half rows of a
-    configured shape and bucket to gemv_rows, one row to the one-row gemv, and everything else
+    configured shape and bucket to gemv_rows, one row to the one-row gemv (or to gemv_rows when
+    the shape has a bucket-1 config), and everything else
     (unconfigured shape or bucket, more rows, float32, a 3-d input) to the module."""
     gen = torch.Generator().manual_seed(7)
     layer = torch.nn.Linear(64, 48, bias=True).half()
@@ -168,6 +169,9 @@ def test_linear_dispatch(monkeypatch):
     assert route(half[:4].view(2, 2, 64)) is None
     monkeypatch.delitem(gemv.ROWS_CONFIGS, (48, 64, 4))
     assert route(half[:3]) is None and route(half[:2]) == "rows"
+    # a bucket-1 entry takes the one row from the one-row kernel (the 8B lm_head's "tma")
+    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 1), gemv.RowsConfig("tma", 16, 32, 4, 1))
+    assert route(half[:1]) == "rows"
 
 
 def test_pdl_is_for_cuda_tensors_only():

@@ -17,7 +17,7 @@ L2, PDL on as the engine launches), at Llama-3-8B's shapes, M = 1, 2, 5, 9 rows:
 The gate_up shape runs fused with silu (gemv.gate_up_silu_rows), as the engine runs it.
 Every output is checked against a float32 reference first (relative max and norm <= 1e-2).
 
-  PYTHONPATH=$PWD python3 tests/gpu/sweep_tma_gemv.py [--out DIR] [--smoke]
+  PYTHONPATH=$PWD python3 tests/gpu/sweep_tma_gemv.py [--out DIR] [--smoke] [--shapes 1B]
 --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (debugs the script only).
 """
 
@@ -46,7 +46,9 @@ from specserve.model.layers import gemv, triton_ops  # noqa: E402
 
 SHAPES_8B = {(6144, 4096): "qkv", (4096, 4096): "o", (28672, 4096): "gate_up+silu",
              (4096, 14336): "down", (128256, 4096): "lm_head"}
-GATE_UP = {(28672, 4096), (96, 128)}  # run fused with silu, as the engine runs them
+SHAPES_1B = {(3072, 2048): "1B qkv", (2048, 2048): "1B o", (16384, 2048): "1B gate_up+silu",
+             (2048, 8192): "1B down", (128256, 2048): "1B lm_head"}
+GATE_UP = {(28672, 4096), (16384, 2048), (96, 128)}  # run fused with silu, as the engine runs them
 ROWS = [1, 2, 5, 9]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 CONFIGS = [(64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4), (128, 128, 4, 6),
@@ -80,6 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--shapes", choices=("8B", "1B"), default="8B")
     args = parser.parse_args()
     bench = sweep_gemv.Bench(argparse.Namespace(smoke=args.smoke, pdl=not args.smoke, out=None))
     if not args.smoke:
@@ -88,7 +91,8 @@ def main() -> int:
         def alloc(size: int, alignment: int, stream):
             return torch.empty(size, device="cuda", dtype=torch.int8)
         triton.set_allocator(alloc)
-    shapes = {(96, 128): "tiny a", (200, 256): "tiny b"} if args.smoke else SHAPES_8B
+    shapes = ({(96, 128): "tiny a", (200, 256): "tiny b"} if args.smoke
+              else SHAPES_1B if args.shapes == "1B" else SHAPES_8B)
     configs = [(32, 64, 4, 2), (64, 128, 4, 3)] if args.smoke else CONFIGS
     log = sweep_gemv.log
     rows_out = []

@@ -8,8 +8,8 @@ verify step costs about what a decode step does: on an H200 (tests/gpu/sweep_gem
 2026-12-03) Llama-3-8B's 32 layers of projections plus the lm_head took 3.96-4.00 ms at 2..9
 rows, against 3.86 ms for the one-row kernel at 1 row and 4.12-4.31 ms through cuBLAS.
 
-Two variants (chosen per shape and row bucket by a sweep on the H200,
-tests/gpu/sweep_gemv.py):
+Three variants (chosen per shape and row bucket by sweeps on the H200,
+tests/gpu/sweep_gemv.py and tests/gpu/sweep_tma_gemv.py):
 - "fma": the one-row kernel (triton_ops.gemv) with a row dimension: a float32 accumulator
   [BLOCK_M, BLOCK_N, BLOCK_K] of plain FMAs, summed over K once at the end. Many small programs
   (BLOCK_N = 2..8 weight rows each), but BLOCK_M FMAs per weight element, so it runs out of
@@ -17,6 +17,9 @@ tests/gpu/sweep_gemv.py):
 - "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
   zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
   stream counts.
+- "tma": "dot" with the weight tiles fetched by the tensor memory accelerator (a host tensor
+  descriptor; sm_90+, else "dot" runs): no address arithmetic or masks on the SMs. It serves
+  the 8B lm_head, at one row too (triton_ops.linear sends a bucket-1 entry here).
 Two schedules that fill every SM were built, tested and measured on the H200 in sessions 12-13
 and lost to "dot" at every 8B shape and row bucket (BENCHMARKS.md, "H200, session 13"): a
 persistent one (one program per SM walking several weight-row blocks: +0.3-4 us) and a
@@ -61,6 +64,9 @@ class RowsConfig(NamedTuple):
 # overlaps its neighbours under PDL (tests/gpu/tune_rows_in_graph.py, 2026-12-04: qkv and o at
 # 5-16 rows and gate_up at 2-4 rows changed; the graph at q = 2..9 went from 1.107-1.152x the
 # one-row graph to 1.076-1.117x). Alone, several winners are slower than the configs they beat.
+# The 8B lm_head streams its 1 GB fastest by TMA at every row count, one row included
+# (tests/gpu/sweep_tma_gemv.py, 2026-12-05: 234-238 us at M = 1..9 against 265 us for the
+# one-row kernel and 270 us for "dot"); at the layer shapes TMA tied "dot" or lost (+4-8 %).
 ROWS_CONFIGS: dict[tuple[int, int, int], RowsConfig] = {
     (6144, 4096, 2): RowsConfig("dot", 64, 128, 4, 7),
     (6144, 4096, 4): RowsConfig("dot", 64, 128, 4, 7),
@@ -78,10 +84,11 @@ ROWS_CONFIGS: dict[tuple[int, int, int], RowsConfig] = {
     (4096, 14336, 4): RowsConfig("dot", 32, 256, 4, 6),
     (4096, 14336, 8): RowsConfig("dot", 32, 256, 4, 6),
     (4096, 14336, 16): RowsConfig("dot", 32, 256, 4, 6),
-    (128256, 4096, 2): RowsConfig("dot", 128, 128, 4, 4),
-    (128256, 4096, 4): RowsConfig("dot", 128, 128, 4, 4),
-    (128256, 4096, 8): RowsConfig("dot", 128, 128, 4, 4),
-    (128256, 4096, 16): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 1): RowsConfig("tma", 64, 128, 4, 4),
+    (128256, 4096, 2): RowsConfig("tma", 64, 128, 4, 4),
+    (128256, 4096, 4): RowsConfig("tma", 64, 128, 4, 4),
+    (128256, 4096, 8): RowsConfig("tma", 64, 128, 4, 4),
+    (128256, 4096, 16): RowsConfig("tma", 64, 128, 4, 4),
     (3072, 2048, 2): RowsConfig("dot", 32, 256, 4, 6),
     (3072, 2048, 4): RowsConfig("dot", 32, 256, 4, 6),
     (3072, 2048, 8): RowsConfig("dot", 32, 256, 4, 6),
