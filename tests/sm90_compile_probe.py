@@ -33,7 +33,6 @@ if str(REPO) not in sys.path:
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from specserve.model.layers import fused_mlp, gemv, pdl, triton_ops  # noqa: E402
 from specserve.model.layers.attention import triton_backend  # noqa: E402
@@ -59,8 +58,6 @@ def record(self: JITFunction, *args, **kwargs):
 def type_of(value) -> str:
     if isinstance(value, torch.Tensor):
         return POINTER_TYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # gemv's "tma" variant
-        return f"tensordesc<{POINTER_TYPES[value.base.dtype][1:]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -119,9 +116,6 @@ def launch_everything() -> None:
         gemv.gemv_rows(rows, torch.empty(n, k, **bf16), None, config)
         if (n, k) in fused_mlp.GATE_UP_CONFIGS and config.block_n % 2 == 0:
             gemv.gate_up_silu_rows(rows, torch.empty(n, k, **bf16), config)
-    tma = gemv.RowsConfig("tma", 64, 128, 4, 4)  # the "tma" variant, plain and gate_up
-    gemv.gemv_rows(torch.empty(8, 4096, **bf16), torch.empty(6144, 4096, **bf16), None, tma)
-    gemv.gate_up_silu_rows(torch.empty(8, 4096, **bf16), torch.empty(28672, 4096, **bf16), tma)
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
     backend = triton_backend.TritonAttentionBackend(num_sms=132)
     rope = RotaryEmbedding(head_dim, 8192, 5e5)

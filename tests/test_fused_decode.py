@@ -130,9 +130,8 @@ def test_gate_up_silu_matches_gemv_then_silu_mul(inter, cols, config, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
-                                                     ("dot", 16, 32), ("dot", 32, 64),
-                                                     ("tma", 16, 32), ("tma", 32, 64)])
-@pytest.mark.parametrize("inter,cols", [(24, 64), (20, 70), (20, 72), (9, 20)])
+                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("inter,cols", [(24, 64), (20, 70), (9, 20)])
 def test_gate_up_silu_rows_matches_gemv_rows_then_silu_mul(inter, cols, variant, block_n,
                                                            block_k, dtype):
     """The multi-row fused kernel (verification steps) at M = 2..16, even and uneven shapes

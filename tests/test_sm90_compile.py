@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("triton")
 
 PROBE = Path(__file__).with_name("sm90_compile_probe.py")
-WEIGHTS_FIRST = {"_gemv", "_gate_up_silu", "_gemv_rows", "_gemv_rows_tma"}  # peeled first block
+WEIGHTS_FIRST = {"_gemv", "_gate_up_silu", "_gemv_rows"}  # peeled first weight block
 PDL_KERNELS = WEIGHTS_FIRST | {"_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
                                "rotary_write_kv_kernel", "write_kv_kernel",
                                "paged_attention_kernel", "reduce_splits_kernel"}

@@ -100,17 +100,11 @@ def test_linear_dispatches_only_one_cuda_half_row():
 
 
 @pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
-                                                     ("dot", 16, 32), ("dot", 32, 64),
-                                                     ("tma", 16, 32), ("tma", 32, 64)])
-@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (51, 68, True),
-                                            (9, 20, False)])
+                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (9, 20, False)])
 def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
-    """Multi-row GEMV (layers/gemv.py), every variant, M = 1..16 (each row bucket, and M not a
-    power of two: padded rows must be neither read nor written), even and uneven N and K
-    ("tma" at 68 columns: the descriptor's zero fill past the edges; at 70 the float32 row
-    stride is not 16-byte aligned, so the "dot" kernel serves it)."""
-    if variant == "tma":
-        assert gemv.tma_serves(torch.zeros(1, cols), torch.zeros(rows, cols)) == (cols != 70)
+    """Multi-row GEMV (layers/gemv.py), both variants, M = 1..16 (each row bucket, and M not a
+    power of two: padded rows must be neither read nor written), even and uneven N and K."""
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(rows, cols, generator=gen)  # [N, K]
     b = torch.randn(rows, generator=gen) if bias else None
@@ -123,7 +117,7 @@ def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["fma", "dot", "tma"])
+@pytest.mark.parametrize("variant", ["fma", "dot"])
 def test_gemv_rows_half_precision(variant):
     """fp16 in and out (the interpreter's bf16 dot is wrong, see triton_kernels.py), float32
     sums: within fp16 rounding of the float64 product."""
@@ -138,8 +132,7 @@ def test_gemv_rows_half_precision(variant):
 
 def test_linear_dispatch(monkeypatch):
     """With the kernels allowed (as on CUDA), ``linear`` sends 2..MAX_ROWS half rows of a
-    configured shape and bucket to gemv_rows, one row to the one-row gemv (or to gemv_rows when
-    the shape has a bucket-1 config), and everything else
+    configured shape and bucket to gemv_rows, one row to the one-row gemv, and everything else
     (unconfigured shape or bucket, more rows, float32, a 3-d input) to the module."""
     gen = torch.Generator().manual_seed(7)
     layer = torch.nn.Linear(64, 48, bias=True).half()
@@ -169,9 +162,6 @@ def test_linear_dispatch(monkeypatch):
     assert route(half[:4].view(2, 2, 64)) is None
     monkeypatch.delitem(gemv.ROWS_CONFIGS, (48, 64, 4))
     assert route(half[:3]) is None and route(half[:2]) == "rows"
-    # a bucket-1 entry takes the one row from the one-row kernel (the 8B lm_head's "tma")
-    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 1), gemv.RowsConfig("tma", 16, 32, 4, 1))
-    assert route(half[:1]) == "rows"
 
 
 def test_pdl_is_for_cuda_tensors_only():

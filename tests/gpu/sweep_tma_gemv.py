@@ -13,17 +13,17 @@ Timed as tests/gpu/sweep_gemv.py times (graphs of calls cycling through weight c
 L2, PDL on as the engine launches), at Llama-3-8B's shapes, M = 1, 2, 5, 9 rows:
   one-row  triton_ops.gemv, the decode kernel (M = 1 only)
   dot      gemv.gemv_rows with its ROWS_CONFIGS (what a verification runs now)
-  tma      gemv's "tma" variant, for each of CONFIGS (best reported, every one in the log)
-The gate_up shape runs fused with silu (gemv.gate_up_silu_rows), as the engine runs it.
+  tma      the kernel below, for each of CONFIGS (best reported, and every one in the log)
 Every output is checked against a float32 reference first (relative max and norm <= 1e-2).
 
-  PYTHONPATH=$PWD python3 tests/gpu/sweep_tma_gemv.py [--out DIR] [--smoke] [--shapes 1B]
+  PYTHONPATH=$PWD python3 tests/gpu/sweep_tma_gemv.py [--out DIR] [--smoke]
 --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (debugs the script only).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -42,39 +42,71 @@ sys.path.append(str(REPO / "tests" / "gpu"))
 
 import sweep_gemv  # noqa: E402
 
-from specserve.model.layers import gemv, triton_ops  # noqa: E402
+from specserve.model.layers import gemv, pdl, triton_ops  # noqa: E402
 
-SHAPES_8B = {(6144, 4096): "qkv", (4096, 4096): "o", (28672, 4096): "gate_up+silu",
+SHAPES_8B = {(6144, 4096): "qkv", (4096, 4096): "o", (28672, 4096): "gate_up",
              (4096, 14336): "down", (128256, 4096): "lm_head"}
-SHAPES_1B = {(3072, 2048): "1B qkv", (2048, 2048): "1B o", (16384, 2048): "1B gate_up+silu",
-             (2048, 8192): "1B down", (128256, 2048): "1B lm_head"}
-GATE_UP = {(28672, 4096), (16384, 2048), (96, 128)}  # run fused with silu, as the engine runs them
 ROWS = [1, 2, 5, 9]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-CONFIGS = [(64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4), (128, 128, 4, 6),
-           (64, 64, 4, 8), (128, 64, 4, 8), (32, 256, 4, 4), (64, 256, 4, 3)]
+CONFIGS = [(64, 128, 4, 4), (64, 128, 4, 6), (64, 128, 4, 8), (128, 128, 4, 4),
+           (128, 128, 4, 6), (64, 64, 4, 8), (64, 64, 4, 12), (128, 64, 4, 8),
+           (32, 256, 4, 4), (32, 256, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4)]
 
 
-def tma_rows(x: torch.Tensor, weight: torch.Tensor, config, gate_up: bool) -> torch.Tensor:
-    cfg = gemv.RowsConfig("tma", *config)
-    return gemv.gate_up_silu_rows(x, weight, cfg) if gate_up else gemv.gemv_rows(x, weight, None,
-                                                                                  cfg)
+@functools.cache
+def _kernel():
+    global triton, tl, pdl_jit  # kernels resolve names in this module's globals
+    import triton
+    import triton.language as tl
+
+    from specserve.model.layers import pdl_jit
+
+    @triton.jit(do_not_specialize=["n_m"])
+    def _gemv_rows_tma(x_ptr, w_desc, out_ptr, n_m, n_rows, n_cols, stride_x, stride_o,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+        """out [n_m, n_rows] = x [n_m, n_cols] @ w.T, w's [BLOCK_N, BLOCK_K] tiles by TMA
+        (n_cols % BLOCK_K == 0; rows past n_rows come back as zeros from the descriptor)."""
+        n0 = tl.program_id(0) * BLOCK_N
+        m = tl.arange(0, BLOCK_M)
+        m_mask = m < n_m
+        x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
+        cols = tl.arange(0, BLOCK_K)
+        w = w_desc.load([n0, 0])  # [BLOCK_N, BLOCK_K], before the wait: weights are constant
+        pdl_jit.release_and_wait(PDL)
+        x = tl.load(x_ptrs + cols[None, :], mask=m_mask[:, None], other=0.0)
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+        for k0 in tl.range(BLOCK_K, n_cols, BLOCK_K, num_stages=NUM_STAGES):
+            w = w_desc.load([n0, k0])
+            x = tl.load(x_ptrs + (k0 + cols)[None, :], mask=m_mask[:, None], other=0.0)
+            acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        rows = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
+                 tl.trans(acc).to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (rows < n_rows)[None, :])
+
+    return _gemv_rows_tma
 
 
-def now_rows(x: torch.Tensor, weight: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    """What a verification runs now: the shape's ROWS_CONFIGS entry (gate_up fused with silu)."""
-    n, k = weight.shape
-    cfg = gemv.ROWS_CONFIGS.get((n, k, gemv.row_bucket(x.shape[0])),
-                                gemv.RowsConfig("dot", 64, 128, 4, 4))
-    return gemv.gate_up_silu_rows(x, weight, cfg) if gate_up else gemv.gemv_rows(x, weight, None,
-                                                                                  cfg)
+_DESCRIPTORS: dict = {}
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    out = x.float() @ w.float().T
-    if gate_up:
-        gate, up = out.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+def gemv_rows_tma(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_n, block_k, warps, stages = config
+    (num_m, n_cols), n_rows = x.shape, weight.shape[0]
+    assert n_cols % block_k == 0
+    key = (weight.data_ptr(), block_n, block_k)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    out = torch.empty(num_m, n_rows, dtype=x.dtype, device=x.device)
+    grid = ((n_rows + block_n - 1) // block_n,)
+    _kernel()[grid](x, desc, out, num_m, n_rows, n_cols, x.stride(0), out.stride(0),
+                    BLOCK_M=max(16, gemv.row_bucket(num_m)), BLOCK_N=block_n, BLOCK_K=block_k,
+                    NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+                    **pdl.launch_options(x))
     return out
 
 
@@ -82,7 +114,6 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--shapes", choices=("8B", "1B"), default="8B")
     args = parser.parse_args()
     bench = sweep_gemv.Bench(argparse.Namespace(smoke=args.smoke, pdl=not args.smoke, out=None))
     if not args.smoke:
@@ -91,50 +122,51 @@ def main() -> int:
         def alloc(size: int, alignment: int, stream):
             return torch.empty(size, device="cuda", dtype=torch.int8)
         triton.set_allocator(alloc)
-    shapes = ({(96, 128): "tiny a", (200, 256): "tiny b"} if args.smoke
-              else SHAPES_1B if args.shapes == "1B" else SHAPES_8B)
+    shapes = {(96, 128): "tiny a", (200, 256): "tiny b"} if args.smoke else SHAPES_8B
     configs = [(32, 64, 4, 2), (64, 128, 4, 3)] if args.smoke else CONFIGS
     log = sweep_gemv.log
     rows_out = []
     for (n, k), name in shapes.items():
         ws = bench.weights(n, k)
-        gate_up = (n, k) in GATE_UP
+        ref_w = ws[0].float()
         for m in ROWS:
             x = bench.randn(m, k)
-            ref = reference(x, ws[0], gate_up)
+            ref = x.float() @ ref_w.T
             row = {"shape": name, "n": n, "k": k, "m": m, "tma": {}}
-            if m == 1 and not gate_up:
+            if m == 1:
                 one = triton_ops.GEMV_CONFIGS.get((n, k))
-                if one is not None:
+                if one is not None or args.smoke:
+                    one = one or next(iter(triton_ops.GEMV_CONFIGS.values()))
                     if bench.check(f"one-row {name}", triton_ops.gemv(x, ws[0], None, one), ref):
                         row["one_row"] = bench.time_calls(
                             [lambda w=w, x=x, c=one: triton_ops.gemv(x, w, None, c) for w in ws])
-            elif m > 1:
-                if bench.check(f"now {name} M={m}", now_rows(x, ws[0], gate_up), ref):
+            else:
+                cfg = gemv.ROWS_CONFIGS.get((n, k, gemv.row_bucket(m)),
+                                            gemv.RowsConfig("dot", 64, 128, 4, 4))
+                if bench.check(f"dot {name} M={m}", gemv.gemv_rows(x, ws[0], None, cfg), ref):
                     row["dot"] = bench.time_calls(
-                        [lambda w=w, x=x, g=gate_up: now_rows(x, w, g) for w in ws])
+                        [lambda w=w, x=x, c=cfg: gemv.gemv_rows(x, w, None, c) for w in ws])
             for cfg in configs:
                 try:
-                    out = tma_rows(x, ws[0], cfg, gate_up)
+                    out = gemv_rows_tma(x, ws[0], cfg)
                 except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
                     log(f"  skip tma {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
                     continue
                 if not bench.check(f"tma {name} M={m} {cfg}", out, ref):
                     continue
                 row["tma"][str(cfg)] = bench.time_calls(
-                    [lambda w=w, x=x, c=cfg, g=gate_up: tma_rows(x, w, c, g) for w in ws])
+                    [lambda w=w, x=x, c=cfg: gemv_rows_tma(x, w, c) for w in ws])
             best = min(row["tma"].items(), key=lambda kv: kv[1]) if row["tma"] else ("-", float("nan"))
             nbytes = n * k * ws[0].element_size()
             base = row.get("one_row", row.get("dot", float("nan")))
-            log(f"{name} M={m}: {'one-row' if m == 1 else 'now'} {base:.2f} us "
+            log(f"{name} M={m}: {'one-row' if m == 1 else 'dot'} {base:.2f} us "
                 f"({nbytes / base / 1e3:.0f} GB/s) | tma best {best[0]} {best[1]:.2f} us "
                 f"({nbytes / best[1] / 1e3:.0f} GB/s) ratio {best[1] / base:.3f}")
             log("    every tma config: " + ", ".join(f"{c} {t:.2f}" for c, t in row["tma"].items()))
             rows_out.append(row)
+            _DESCRIPTORS.clear()
         del ws
-        gemv._descriptors.clear()
-        if not args.smoke:
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache() if not args.smoke else None
     log("\n| shape | M | now (one-row at 1, dot) us | tma best us | tma config | tma / now |")
     log("|---|---|---|---|---|---|")
     for row in rows_out:

@@ -10,7 +10,7 @@ RMSNorm, the attention kernels) and on how many programs of the next kernel fit 
 ones of the previous (a deep-pipeline "dot" program holds up to ~200 KB of shared memory). So
 the configs are chosen here by what the whole graph takes.
 
-  PYTHONPATH=$PWD python3 tests/gpu/tune_rows_in_graph.py [--out DIR] [--budget S] [--tma]
+  PYTHONPATH=$PWD python3 tests/gpu/tune_rows_in_graph.py [--out DIR] [--budget S]
 
 1. baseline: GPU time of the verify graphs (no lm_head, context 512) at q = 1..9 over q = 1
    (the one-row decode kernels), PDL on and off.
@@ -76,10 +76,6 @@ ATTN_TILES_32 = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (128, 4, 2), (1
                  (64, 8, 2)]  # (keys per iteration, warps, stages)
 ATTN_TILES_64 = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (128, 4, 3), (64, 8, 3), (32, 8, 2)]
 FMA_CANDIDATES = [RowsConfig("fma", 2, 1024, 4, 3), RowsConfig("fma", 4, 512, 4, 3)]
-# --tma: the weight tiles by the tensor memory accelerator (gemv's "tma" variant)
-TMA_CANDIDATES = [RowsConfig("tma", *c) for c in (
-    (64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4), (64, 64, 4, 8), (128, 64, 4, 8),
-    (64, 256, 4, 3))]
 KEEP_FROM_FIRST = 4  # later buckets try this many of the first bucket's best per shape
 MIN_GAIN = 0.003
 LINES: list[str] = []
@@ -241,9 +237,6 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the descent")
     ap.add_argument("--attention-only", action="store_true",
                     help="skip the GEMV descent (section 2), tune the attention knobs only")
-    ap.add_argument("--tma", action="store_true",
-                    help="descend over TMA_CANDIDATES at every bucket (the attention knobs "
-                    "are not tuned)")
     args = ap.parse_args()
     import triton
     from transformers import LlamaConfig
@@ -281,16 +274,13 @@ def main() -> int:
     wall_before = wall_times(runner, qs)
     say(ratio_row("start, execute() wall", wall_before))
 
-    if not args.tma:
-        say(f"\n== 2a. attention knobs, {time.perf_counter() - t0:.0f}s")
-        tune_attention(runner)
+    say(f"\n== 2a. attention knobs, {time.perf_counter() - t0:.0f}s")
+    tune_attention(runner)
     say(f"\n== 2b. coordinate descent (budget {args.budget:.0f}s)")
     deadline = time.perf_counter() + (0 if args.attention_only else args.budget)
     first: dict[str, list[tuple[float, RowsConfig]]] | None = None
     for bucket, q in BUCKET_ORDER:
-        if args.tma:
-            cands = {name: TMA_CANDIDATES for name in SHAPES}
-        elif first is None:
+        if first is None:
             cands = {name: DOT_CANDIDATES for name in SHAPES}
         else:
             cands = {}

@@ -8,8 +8,8 @@ verify step costs about what a decode step does: on an H200 (tests/gpu/sweep_gem
 2026-12-03) Llama-3-8B's 32 layers of projections plus the lm_head took 3.96-4.00 ms at 2..9
 rows, against 3.86 ms for the one-row kernel at 1 row and 4.12-4.31 ms through cuBLAS.
 
-Three variants (chosen per shape and row bucket by sweeps on the H200,
-tests/gpu/sweep_gemv.py and tests/gpu/sweep_tma_gemv.py):
+Two variants (chosen per shape and row bucket by a sweep on the H200,
+tests/gpu/sweep_gemv.py):
 - "fma": the one-row kernel (triton_ops.gemv) with a row dimension: a float32 accumulator
   [BLOCK_M, BLOCK_N, BLOCK_K] of plain FMAs, summed over K once at the end. Many small programs
   (BLOCK_N = 2..8 weight rows each), but BLOCK_M FMAs per weight element, so it runs out of
@@ -17,9 +17,6 @@ tests/gpu/sweep_gemv.py and tests/gpu/sweep_tma_gemv.py):
 - "dot": tensor cores, [BLOCK_N, BLOCK_K] weight tile @ [BLOCK_K, BLOCK_M] x tile, x padded with
   zero rows up to BLOCK_M >= 16 (tl.dot's minimum); the arithmetic is free, only the weight
   stream counts.
-- "tma": "dot" with the weight tiles fetched by the tensor memory accelerator (a host tensor
-  descriptor; sm_90+, else "dot" runs): no address arithmetic or masks on the SMs. It serves
-  the 8B lm_head, at one row too (triton_ops.linear sends a bucket-1 entry here).
 Two schedules that fill every SM were built, tested and measured on the H200 in sessions 12-13
 and lost to "dot" at every 8B shape and row bucket (BENCHMARKS.md, "H200, session 13"): a
 persistent one (one program per SM walking several weight-row blocks: +0.3-4 us) and a
@@ -42,7 +39,7 @@ from specserve.model.layers import pdl
 
 MAX_ROWS = 16  # largest M served here; larger batches are matmuls for cuBLAS
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16, so x is padded to 16 rows
-VARIANTS = ("fma", "dot", "tma")
+VARIANTS = ("fma", "dot")
 
 
 class RowsConfig(NamedTuple):
@@ -64,9 +61,6 @@ class RowsConfig(NamedTuple):
 # overlaps its neighbours under PDL (tests/gpu/tune_rows_in_graph.py, 2026-12-04: qkv and o at
 # 5-16 rows and gate_up at 2-4 rows changed; the graph at q = 2..9 went from 1.107-1.152x the
 # one-row graph to 1.076-1.117x). Alone, several winners are slower than the configs they beat.
-# The 8B lm_head streams its 1 GB fastest by TMA at every row count, one row included
-# (tests/gpu/sweep_tma_gemv.py, 2026-12-05: 234-238 us at M = 1..9 against 265 us for the
-# one-row kernel and 270 us for "dot"); at the layer shapes TMA tied "dot" or lost (+4-8 %).
 ROWS_CONFIGS: dict[tuple[int, int, int], RowsConfig] = {
     (6144, 4096, 2): RowsConfig("dot", 64, 128, 4, 7),
     (6144, 4096, 4): RowsConfig("dot", 64, 128, 4, 7),
@@ -84,11 +78,10 @@ ROWS_CONFIGS: dict[tuple[int, int, int], RowsConfig] = {
     (4096, 14336, 4): RowsConfig("dot", 32, 256, 4, 6),
     (4096, 14336, 8): RowsConfig("dot", 32, 256, 4, 6),
     (4096, 14336, 16): RowsConfig("dot", 32, 256, 4, 6),
-    (128256, 4096, 1): RowsConfig("tma", 64, 128, 4, 4),
-    (128256, 4096, 2): RowsConfig("tma", 64, 128, 4, 4),
-    (128256, 4096, 4): RowsConfig("tma", 64, 128, 4, 4),
-    (128256, 4096, 8): RowsConfig("tma", 64, 128, 4, 4),
-    (128256, 4096, 16): RowsConfig("tma", 64, 128, 4, 4),
+    (128256, 4096, 2): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 4): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 8): RowsConfig("dot", 128, 128, 4, 4),
+    (128256, 4096, 16): RowsConfig("dot", 128, 128, 4, 4),
     (3072, 2048, 2): RowsConfig("dot", 32, 256, 4, 6),
     (3072, 2048, 4): RowsConfig("dot", 32, 256, 4, 6),
     (3072, 2048, 8): RowsConfig("dot", 32, 256, 4, 6),
@@ -119,11 +112,11 @@ def row_bucket(num_rows: int) -> int:
 def _kernel():
     """Compile-on-demand kernel (triton is imported on first use only, as in triton_ops)."""
     global triton, tl, gemv_jit  # kernels resolve names in this module's globals
-    global _accumulate, _weight_rows, _finish, _store_activations, _x_tile, pdl_jit
+    global _accumulate, _weight_rows, _finish
     import triton
     import triton.language as tl
 
-    from specserve.model.layers import gemv_jit, pdl_jit
+    from specserve.model.layers import gemv_jit
 
     @triton.jit
     def _weight_rows(t, blk, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -146,25 +139,16 @@ def _kernel():
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
         if GATE_UP:  # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF_N] x 2
-            gate, up = tl.split(tl.reshape(out, (BLOCK_M, HALF_N, 2)))
-            _store_activations(gate, up, blk, m, m_mask, out_ptr, n_rows, stride_o, HALF_N)
+            sums = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.reshape(sums, (BLOCK_M, HALF_N, 2)))
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            idx = blk * HALF_N + tl.arange(0, HALF_N)
+            tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
+                     (act * up).to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
         else:
             tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
-
-    @triton.jit
-    def _store_activations(gate, up, blk, m, m_mask, out_ptr, n_rows, stride_o,
-                           HALF_N: tl.constexpr):
-        """Store silu(gate) * up [BLOCK_M, HALF_N] of weight-row block blk from the float32
-        sums gate and up: each sum rounded to out's dtype first, then silu and the product
-        rounded, as gemv_rows followed by triton_ops.silu_mul round them."""
-        gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        idx = blk * HALF_N + tl.arange(0, HALF_N)
-        tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
-                 (act * up).to(out_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
 
     @triton.jit
     def _accumulate(acc, w, x_ptrs, x_ok, cols, n_cols, EVEN: tl.constexpr, MODE: tl.constexpr,
@@ -224,71 +208,7 @@ def _kernel():
         _finish(out, tl.program_id(0), rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
                 stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
 
-    @triton.jit(do_not_specialize=["n_m"])
-    def _gemv_rows_tma(x_ptr, w_desc, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x,
-                       stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                       GATE_UP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                       PDL: tl.constexpr):
-        """_gemv_rows's "dot" product with the weight tiles fetched by the tensor memory
-        accelerator through w_desc (a host TensorDescriptor of the weight [n_rows, n_cols],
-        block [BLOCK_N, BLOCK_K], or [BLOCK_N / 2, BLOCK_K] with GATE_UP): the copy engine
-        generates the addresses and zero-fills past the weight's edges, so the tile needs no
-        masks and lands in shared memory, where the tensor cores read it. The first tile is
-        requested before the PDL wait, as in _gemv_rows. EVEN: n_cols % BLOCK_K == 0 (x's
-        loads need no column mask).
-
-        GATE_UP: w = [gate; up] (n_rows = 2I); the program loads gate rows i0..i0+BLOCK_N/2
-        and the same up rows as two tiles and stores silu(gate . x) * (up . x) [n_m, I]."""
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        blk = tl.program_id(0)
-        m = tl.arange(0, BLOCK_M)
-        m_mask = m < n_m
-        x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
-        cols = tl.arange(0, BLOCK_K)
-        if GATE_UP:
-            w = w_desc.load([blk * HALF_N, 0])  # gate rows [HALF_N, BLOCK_K]
-            w_up = w_desc.load([n_rows // 2 + blk * HALF_N, 0])  # up rows
-        else:
-            w = w_desc.load([blk * BLOCK_N, 0])  # [BLOCK_N, BLOCK_K]
-            w_up = w
-        pdl_jit.release_and_wait(PDL)
-        x = _x_tile(x_ptrs, m_mask, cols, n_cols, EVEN).to(w.dtype)  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(w, tl.trans(x), tl.zeros((HALF_N if GATE_UP else BLOCK_N, BLOCK_M),
-                                              dtype=tl.float32), input_precision=PRECISION)
-        if GATE_UP:
-            acc_up = tl.dot(w_up, tl.trans(x), tl.zeros((HALF_N, BLOCK_M), dtype=tl.float32),
-                            input_precision=PRECISION)
-        for k0 in tl.range(BLOCK_K, n_cols, BLOCK_K, num_stages=NUM_STAGES):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = _x_tile(x_ptrs, m_mask, cols, n_cols, EVEN).to(w.dtype)
-            if GATE_UP:
-                acc = tl.dot(w_desc.load([blk * HALF_N, k0]), tl.trans(x), acc,
-                             input_precision=PRECISION)
-                acc_up = tl.dot(w_desc.load([n_rows // 2 + blk * HALF_N, k0]), tl.trans(x),
-                                acc_up, input_precision=PRECISION)
-            else:
-                acc = tl.dot(w_desc.load([blk * BLOCK_N, k0]), tl.trans(x), acc,
-                             input_precision=PRECISION)
-        if GATE_UP:
-            _store_activations(tl.trans(acc), tl.trans(acc_up), blk, m, m_mask, out_ptr,
-                               n_rows, stride_o, HALF_N)
-        else:
-            rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            _finish(tl.trans(acc), blk, rows, rows < n_rows, m, m_mask, b_ptr, out_ptr,
-                    n_rows, stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
-
-    @triton.jit
-    def _x_tile(x_ptrs, m_mask, cols, n_cols, EVEN: tl.constexpr):
-        """x's rows at columns cols [BLOCK_M, BLOCK_K]; rows not m_mask (and unless EVEN,
-        columns >= n_cols) read as 0."""
-        if EVEN:
-            return tl.load(x_ptrs + cols[None, :], mask=m_mask[:, None], other=0.0)
-        else:
-            return tl.load(x_ptrs + cols[None, :], mask=m_mask[:, None] & (cols < n_cols)[None, :],
-                           other=0.0)
-
-    return {"fma": _gemv_rows, "dot": _gemv_rows, "tma": _gemv_rows_tma}
+    return {"fma": _gemv_rows, "dot": _gemv_rows}
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -306,39 +226,10 @@ def gate_up_silu_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig)
     return _launch(x, weight, None, config, gate_up=True)
 
 
-def tma_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the "tma" variant can run here: a CUDA device with a tensor memory accelerator
-    (sm_90+), or the interpreter on the CPU; the weight's base and row stride 16-byte aligned
-    (what a TMA descriptor requires)."""
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return (weight.data_ptr() % 16 == 0
-            and (weight.stride(0) * weight.element_size()) % 16 == 0)
-
-
-_descriptors: dict[tuple, object] = {}
-
-
-def _weight_descriptor(weight: torch.Tensor, block: list[int]):
-    """The host TMA descriptor of weight with this block shape, made once per (address, shape,
-    strides, dtype, block): a descriptor is a function of exactly these, so a cached one is
-    right even when a freed weight's address is reused. Graph-safe: it is passed by value."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype,
-           tuple(block))
-    desc = _descriptors.get(key)
-    if desc is None:
-        desc = _descriptors[key] = TensorDescriptor.from_tensor(weight, block)
-    return desc
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: RowsConfig, gate_up: bool) -> torch.Tensor:
     (num_m, n_cols), n_rows = x.shape, weight.shape[0]
     assert 1 <= num_m <= MAX_ROWS and config.variant in VARIANTS
-    if config.variant == "tma" and not tma_serves(x, weight):
-        config = config._replace(variant="dot")  # the same tiles, loaded by the SMs
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == n_cols
     block_m = row_bucket(num_m)
     if config.variant != "fma":  # tl.dot tiles
@@ -353,13 +244,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl.launch_options(x))
-    if config.variant == "tma":
-        block = [config.block_n // 2 if gate_up else config.block_n, config.block_k]
-        _kernel()["tma"][(n_blocks,)](
-            x, _weight_descriptor(weight, block), bias if bias is not None else weight, out,
-            num_m, n_rows, n_cols, x.stride(0), out.stride(0), NUM_STAGES=config.num_stages,
-            **common | {"EVEN": n_cols % config.block_k == 0})
-        return out
     args = (x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,
             x.stride(0), weight.stride(0), out.stride(0))
     _kernel()[config.variant][(n_blocks,)](*args, MODE=config.variant, **common)

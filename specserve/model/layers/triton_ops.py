@@ -253,10 +253,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x); 1..MAX_ROWS bf16/fp16 rows on CUDA (batch-1 decode and verification) go
-    through a Triton GEMV when the layer's shape has a config: 2..16 rows through
-    layers/gemv.py's ``gemv_rows`` (its ROWS_CONFIGS, per row bucket), one row through
-    ``gemv`` (GEMV_CONFIGS) unless ROWS_CONFIGS has the shape at bucket 1 (the 8B lm_head,
-    whose weight streams fastest by TMA at every row count).
+    through a Triton GEMV when the layer's shape has a config: one row through ``gemv``
+    (GEMV_CONFIGS), 2..16 rows through layers/gemv.py's ``gemv_rows`` (its ROWS_CONFIGS, per
+    row bucket).
 
     Why: at a few rows a projection only streams its weight, and cuBLAS's kernels for these
     shapes leave bandwidth unused (on an H200 the batch-1 Llama-3-8B decode graph went from
@@ -269,11 +268,12 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and type(layer).forward is torch.nn.Linear.forward and x.stride(-1) == 1
             and layer.weight.dtype == x.dtype and layer.weight.stride(-1) == 1):
         shape = tuple(layer.weight.shape)
-        rows_config = multirow.ROWS_CONFIGS.get((*shape, multirow.row_bucket(num_rows)))
-        if rows_config is not None:  # (bucket 1: a shape whose one row it serves best)
-            return multirow.gemv_rows(x, layer.weight, layer.bias, rows_config)
         if num_rows == 1:
             config = GEMV_CONFIGS.get(shape)
             if config is not None:
                 return gemv(x, layer.weight, layer.bias, config)
+        else:
+            rows_config = multirow.ROWS_CONFIGS.get((*shape, multirow.row_bucket(num_rows)))
+            if rows_config is not None:
+                return multirow.gemv_rows(x, layer.weight, layer.bias, rows_config)
     return layer(x)
