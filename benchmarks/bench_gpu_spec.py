@@ -814,30 +814,38 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
 
 def decode_ahead_ab(llm: LLM, prompt_sets: dict[int, list[list[int]]], new_tokens: int,
                     reps: int = 5) -> list[str]:
-    """Plain greedy decoding with the next pass launched a step ahead (decode_ahead_enabled)
-    against without, in one engine: `reps` rounds per batch size, the order alternating, and
-    the outputs compared (launching ahead must change no token)."""
+    """Plain greedy decoding three ways in one engine: the next pass queued before a step's
+    read and fed on the device (decode_ahead_unread, the default), launched right after the
+    read (decode_ahead_enabled only), and not ahead; `reps` rounds per batch size, the order
+    rotating, the outputs compared (launching ahead must change no token)."""
     engine = llm.llm_engine
-    saved = engine.decode_ahead_enabled
-    lines = ["| batch | ahead tok/s per round | not ahead | median ratio (pairs) | outputs equal |",
-             "|---:|---|---|---|---|"]
+    saved = engine.decode_ahead_enabled, engine.decode_ahead_unread
+    modes = {"before read": (True, True), "after read": (True, False), "not ahead": (False, False)}
+    lines = ["| batch | " + " | ".join(f"{m} tok/s per round" for m in modes)
+             + " | before / after read (pairs) | before read / not ahead | outputs equal |",
+             "|---:|---|---|---|---|---|---|"]
     try:
         for b, ps in prompt_sets.items():
-            rates: dict[bool, list[float]] = {True: [], False: []}
-            outs: dict[bool, list] = {}
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            outs: dict[str, list] = {}
+            names = list(modes)
             for r in range(reps):
-                for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    engine.decode_ahead_enabled = on
-                    rate, o, _ = run_engine(llm, ps, new_tokens, f"da-{on}-{b}")
-                    rates[on].append(rate)
-                    outs.setdefault(on, o)
-            ratios = sorted(x / y for x, y in zip(rates[True], rates[False], strict=True))
-            lines.append(f"| {b} | {', '.join(f'{x:.0f}' for x in rates[True])} | "
-                         f"{', '.join(f'{x:.0f}' for x in rates[False])} | "
-                         f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) | "
-                         f"{outs[True] == outs[False]} |")
+                for m in names[r % 3:] + names[: r % 3]:
+                    engine.decode_ahead_enabled, engine.decode_ahead_unread = modes[m]
+                    rate, o, _ = run_engine(llm, ps, new_tokens, f"da-{m}-{b}")
+                    rates[m].append(rate)
+                    outs.setdefault(m, o)
+
+            def ratios(a: str, c: str) -> str:
+                rs = sorted(x / y for x, y in zip(rates[a], rates[c], strict=True))
+                return f"{statistics.median(rs):.3f} ({rs[0]:.3f}-{rs[-1]:.3f})"
+            lines.append(f"| {b} | " + " | ".join(", ".join(f"{x:.0f}" for x in rates[m])
+                                                  for m in modes)
+                         + f" | {ratios('before read', 'after read')} | "
+                         f"{ratios('before read', 'not ahead')} | "
+                         f"{all(o == outs['not ahead'] for o in outs.values())} |")
     finally:
-        engine.decode_ahead_enabled = saved
+        engine.decode_ahead_enabled, engine.decode_ahead_unread = saved
     return lines
 
 
@@ -1001,7 +1009,8 @@ def main() -> int:
                     help="section 4's acceptance rates (default: %(default)s)")
     ap.add_argument("--decode-ahead-ab", action="store_true",
                     help="after section 2: plain decoding at batch 1 and 32 with the next pass "
-                         "launched ahead and without, interleaved in one engine")
+                         "queued before the step's read, launched after it, and not ahead, "
+                         "interleaved in one engine")
     args = ap.parse_args()
     ACCEPTANCES = tuple(args.acceptances)  # (section 4 and its report read the module's)
     t_start = time.perf_counter()
@@ -1111,7 +1120,8 @@ def main() -> int:
     results["throughput"] = thr
 
     if args.decode_ahead_ab:
-        say("\n== 2b. plain greedy decodes launched a step ahead vs not (interleaved)")
+        say("\n== 2b. plain greedy decodes launched a step ahead, before or after the read, "
+            "vs not (interleaved)")
         gen_ab = torch.Generator().manual_seed(7)  # own prompts: the others' stay as they were
         b32ab = [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen_ab).tolist()
                  for _ in range(2 if smoke else 32)]

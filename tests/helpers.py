@@ -56,13 +56,14 @@ def tiny_llm(path: Path, **kwargs) -> LLM:
 @contextlib.contextmanager
 def returned_something(owner, name: str) -> Iterator[list[bool]]:
     """While the block runs, owner.name is wrapped: the list yielded gets, for every call,
-    whether it returned something other than None (was a launch ahead taken or dropped?)."""
+    whether it returned something other than None or False (was a launch ahead taken or
+    dropped?)."""
     original = getattr(owner, name)
     calls: list[bool] = []
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
-        calls.append(out is not None)
+        calls.append(out is not None and out is not False)
         return out
 
     setattr(owner, name, spy)

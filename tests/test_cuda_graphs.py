@@ -195,7 +195,7 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
     assert generate() == reference
     with (returned_something(DraftModelProposer, "_take_ahead") as taken,
-          returned_something(verify_ahead, "take") as verified_ahead):
+          returned_something(verify_ahead, "serves") as verified_ahead):
         for ahead in (False, True):
             assert generate(ahead, speculative_model=str(tiny_llama_draft),
                             num_speculative_tokens=3, speculative_adaptive=False) == reference

@@ -177,15 +177,17 @@ def test_index_tensor_is_made_once_per_list():
     assert transfer.index_tensor([3, 1, 4], "cpu").tolist() == [3, 1, 4]
 
 
-def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
-    """Plain greedy decoding with each step's pass launched at the end of the step before
-    (LLMEngine.decode_ahead_enabled): the same tokens as without, with sequences ending at
-    different steps (max_tokens, a stop token, the context's end), requests joining and
-    aborted mid-run, and every KV block back at the end."""
+def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, monkeypatch):
+    """Plain greedy decoding with each step's pass launched in the step before, queued before
+    that step's tokens are read and fed with them on the device (LLMEngine.decode_ahead_enabled):
+    the same tokens as without, with sequences ending at different steps (max_tokens, a stop
+    token, the context's end), requests joining and aborted mid-run, and every KV block back
+    at the end."""
     from specserve.engine import verify_ahead
 
     prompts = test_prompts[:6]
     lengths = (30, 7, 19, 30, 12, 25)
+    launch = verify_ahead.launch
 
     def run(ahead: bool, stop_id: int | None = None):
         llm = tiny_llm(tiny_llama, max_model_len=48)
@@ -199,7 +201,10 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
             return launch_pass(runs, fed)
 
         engine.runner.execute_argmax_device = spy_pass
-        with returned_something(verify_ahead, "take") as taken:
+        unread: list[bool] = []  # was a pass launched before the step's read?
+        monkeypatch.setattr(verify_ahead, "launch", lambda *a, **kw: unread.append(
+            kw.get("last_on_device") is not None) or launch(*a, **kw))
+        with returned_something(verify_ahead, "serves") as taken:
             outputs, steps = {}, 0
             for i in range(3):
                 params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
@@ -218,12 +223,13 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts):
                 steps += 1
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert not positions or max(positions) < 48 - 1  # the last token is never fed back
-        return outputs, taken
+        return outputs, taken, unread
 
-    off, _ = run(False)
+    off, _, _ = run(False)
     stop_id = off["r1"][3]
-    off, _ = run(False, stop_id)
-    on, taken = run(True, stop_id)
+    off, _, _ = run(False, stop_id)
+    on, taken, unread = run(True, stop_id)
     assert on == off
     assert len(off["r1"]) < lengths[1] and len(off["r5"]) > 10  # a stop; the context's end
     assert sum(taken) >= 20 and not all(taken)  # used, and dropped where requests joined
+    assert sum(unread) >= 20 and all(unread)  # every launch queued before the read

@@ -382,7 +382,7 @@ def test_plain_passes_launched_ahead_in_a_batch_settled_on_plain_decoding(
         for i, prompt in enumerate(test_prompts[:3]):
             engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
         outputs, steps = {}, 0
-        with returned_something(verify_ahead, "take") as taken:
+        with returned_something(verify_ahead, "serves") as taken:
             while engine.has_unfinished_requests():
                 if steps == REF_TOKENS // 2:
                     engine.add_request("late", test_prompts[3], _greedy(4))
@@ -430,7 +430,7 @@ def test_plain_steps_of_a_batch_still_planning_launch_their_next_pass_ahead(
     for i, prompt in enumerate(test_prompts[:3]):
         engine.add_request(str(i), prompt, _greedy(REF_TOKENS))
     outputs, steps = {}, 0
-    with (returned_something(verify_ahead, "take") as taken,
+    with (returned_something(verify_ahead, "serves") as taken,
           returned_something(driver, "plan_after_plain") as after_plain):
         while engine.has_unfinished_requests():
             if steps == 8:
@@ -619,7 +619,7 @@ def _verify_ahead_run(target, draft, prompts, params, ahead: bool, k: int,
     engine = llm.llm_engine
     engine.speculation.proposer.launch_ahead_enabled = True  # (off the GPU both are off)
     engine.verify_ahead_enabled = ahead
-    with returned_something(verify_ahead, "take") as taken:
+    with returned_something(verify_ahead, "serves") as taken:
         outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.get_metrics()["spec_decode"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -656,7 +656,7 @@ def test_verification_launched_ahead_when_requests_join(tiny_llama, llama_refere
     engine = llm.llm_engine
     engine.speculation.proposer.launch_ahead_enabled = True
     engine.verify_ahead_enabled = True
-    with returned_something(verify_ahead, "take") as taken:
+    with returned_something(verify_ahead, "serves") as taken:
         params = _greedy(REF_TOKENS)
         for i in range(3):
             engine.add_request(f"r{i}", test_prompts[i], params)

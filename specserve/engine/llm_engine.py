@@ -148,6 +148,10 @@ class LLMEngine:
         # of a step. On CUDA: on the H200 it made batch-32 plain decoding 1.20x faster and
         # batch 1 1.02x (BENCHMARKS.md, session 22).
         self.decode_ahead_enabled = self.device.type == "cuda"
+        # ... where the plan needs nothing this step's read says (no speculation, or settled
+        # on plain decoding), queued before that read and fed with its tokens on the device
+        # (off: launched after the read, as before session 23; kept for A/B timing)
+        self.decode_ahead_unread = True
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
@@ -346,12 +350,27 @@ class LLMEngine:
         elif argmax_rows and not prompt_rows:
             # Greedy fast path: the target pass returns each row's argmax token, not logits
             # (ONE pass still scores everything; its token read is the step's one sync). That
-            # pass may have been launched at the end of the last step (decode_ahead_enabled).
-            row_tokens = None if ahead is None else verify_ahead.take(
-                ahead, sched.scheduled, proposals, True)
-            verified = self.verifier.accept_greedy(
-                proposals, self.runner.execute_argmax(runs) if row_tokens is None else row_tokens)
-            plan = self._plain_plan_ahead(sched.scheduled, sampled, proposals, verified)
+            # pass may have been launched in the last step (decode_ahead_enabled).
+            if ahead is not None and not verify_ahead.serves(ahead, sched.scheduled,
+                                                             proposals, True):
+                ahead = None
+            early = self._plain_plan_unread(sched.scheduled, sampled, proposals)
+            if early:
+                # the next pass is queued before this one's tokens are read, fed with them on
+                # the device, so the GPU never waits for this step's host work
+                unread = (self.runner.execute_argmax_device(runs) if ahead is None
+                          else verify_ahead.last_tokens(ahead, sched.scheduled))  # [n]
+                self._verify_ahead = verify_ahead.launch(
+                    self.runner, self.block_manager, sampled, [[0]] * len(sampled), early,
+                    None, last_on_device=unread)
+                row_tokens = (unread.tolist() if ahead is None
+                              else verify_ahead.read(ahead, sched.scheduled, proposals))
+            else:
+                row_tokens = (self.runner.execute_argmax(runs) if ahead is None
+                              else verify_ahead.read(ahead, sched.scheduled, proposals))
+            verified = self.verifier.accept_greedy(proposals, row_tokens)
+            plan = None if early else self._plain_plan_ahead(sched.scheduled, sampled,
+                                                             proposals, verified)
             if plan:
                 self._verify_ahead = verify_ahead.launch(
                     self.runner, self.block_manager, sampled, verified.emitted, plan, None)
@@ -411,6 +430,24 @@ class LLMEngine:
             self.speculation.observe_step(time.perf_counter() - t_step)
             self.speculation.metrics.maybe_log()
         return outputs
+
+    def _plain_plan_unread(self, scheduled: list[ScheduledSequence],
+                           sampled: list[ScheduledSequence],
+                           proposals: list[list[int]]) -> dict[int, int] | None:
+        """The sequences whose next one-token pass this plain greedy step launches before it
+        reads its own tokens (as {seq_id: 0}), or None: _plain_plan_ahead's closed batch
+        without speculation or settled on plain decoding, where the plan needs nothing the
+        read says (each sequence emits exactly one token; one that stops on it is simply not
+        read next step)."""
+        if not (self.decode_ahead_enabled and self.decode_ahead_unread
+                and self.num_scheduler_steps <= 1 and not any(proposals)
+                and not self.scheduler.waiting and len(sampled) == len(scheduled)
+                and all(s.num_new_tokens == 1 for s in scheduled)):
+            return None
+        if self.speculation is not None and not self.speculation.settled_on_plain(sampled):
+            return None
+        return {s.seq.seq_id: 0 for s in sampled
+                if s.seq.tokens_left(self.max_model_len, 1) > 0} or None
 
     def _plain_plan_ahead(self, scheduled: list[ScheduledSequence],
                           sampled: list[ScheduledSequence], proposals: list[list[int]],

@@ -61,21 +61,28 @@ class VerifyAhead:
 
 def launch(runner: ModelRunner, block_manager: BlockManager,
            sampled: list[ScheduledSequence], emitted: list[list[int]], plan: dict[int, int],
-           launched: torch.Tensor | None) -> VerifyAhead | None:
+           launched: torch.Tensor | None,
+           last_on_device: torch.Tensor | None = None) -> VerifyAhead | None:
     """Launch the verification of the next step: the last token of each sampled sequence in
     plan (those that may still generate) once emitted[i] is committed, plus plan[seq_id]
     proposals taken from launched ([A, K]: the draft's proposals launched ahead, one row per
     sequence with a proposal, in order). A sequence that ends with this step (max_tokens, the
     context's end) is not in plan: its last token is never fed. None (nothing launched) if a
     sequence's KV blocks cannot grow. launched is None when no sequence proposes (a plain
-    greedy decode pass launched ahead: LLMEngine.decode_ahead_enabled)."""
+    greedy decode pass launched ahead: LLMEngine.decode_ahead_enabled).
+
+    last_on_device: this step's tokens [len(sampled)] still on the device, one per sampled
+    sequence (a plain step, not read yet: emitted[i] is then a placeholder of one token): each
+    run's last token is fed from there, so the pass is queued before the step's read."""
     width = 0 if launched is None else launched.shape[1]
     runs: list[SequenceRun] = []
     rows: list[int] = []  # packed input rows of the proposals
     src: list[int] = []  # their flat index in launched
+    last_rows: list[int] = []  # with last_on_device: each run's first row ...
+    last_src: list[int] = []  # ... and its sequence's index in last_on_device
     lengths, ks, tables, value_start, row_start = {}, {}, {}, {}, {}
     offset = launched_row = 0
-    for s, tokens in zip(sampled, emitted, strict=True):
+    for i, (s, tokens) in enumerate(zip(sampled, emitted, strict=True)):
         seq, k = s.seq, plan.get(s.seq.seq_id)
         if k is None:
             continue
@@ -85,6 +92,8 @@ def launch(runner: ModelRunner, block_manager: BlockManager,
         block_manager.grow(seq, length + k)
         runs.append(SequenceRun([tokens[-1]] + [0] * k, length - 1, seq.block_table,
                                 list(range(k + 1))))
+        last_rows.append(offset)
+        last_src.append(i)
         lengths[seq.seq_id], ks[seq.seq_id] = length, k
         tables[seq.seq_id] = seq.block_table[: block_manager.blocks_needed(length + k)]
         row_start[seq.seq_id] = offset
@@ -100,6 +109,10 @@ def launch(runner: ModelRunner, block_manager: BlockManager,
     values = (torch.empty(0, dtype=torch.int64, device=device) if launched is None
               else launched.flatten()[index_tensor(src, device)])  # [P]
     fed = (index_tensor(rows, device), values) if rows else None
+    if last_on_device is not None:
+        last = last_on_device[index_tensor(last_src, device)]  # [len(runs)]
+        fed = ((index_tensor(last_rows, device), last) if fed is None else
+               (torch.cat([index_tensor(last_rows, device), fed[0]]), torch.cat([last, values])))
     tokens = runner.execute_argmax_device(runs, fed=fed)  # [R]
     return VerifyAhead(lengths, ks, tables, value_start, row_start, values, tokens)
 
@@ -110,16 +123,37 @@ def take(ahead: VerifyAhead, scheduled: list[ScheduledSequence],
     scheduled sequence, in order) from the pass launched ahead, with the proposals' values
     filled in (the step's one read), if the pass is this step's (module docstring); else
     None. scheduled: the step's sequences, every one sampled (proposals: one list each)."""
-    if not took_launched or len(scheduled) != len(proposals):
+    if not serves(ahead, scheduled, proposals, took_launched):
         return None
+    return read(ahead, scheduled, proposals)
+
+
+def serves(ahead: VerifyAhead, scheduled: list[ScheduledSequence],
+           proposals: list[list[int]], took_launched: bool) -> bool:
+    """Whether the pass launched ahead is this step's (module docstring); host data only."""
+    if not took_launched or len(scheduled) != len(proposals):
+        return False
     for s, props in zip(scheduled, proposals, strict=True):
         seq_id, seq = s.seq.seq_id, s.seq
         if (ahead.ks.get(seq_id) != len(props) or s.num_new_tokens != 1
                 or seq.num_tokens != ahead.lengths[seq_id]
                 or seq.block_table[: len(ahead.tables[seq_id])] != ahead.tables[seq_id]):
-            return None
-    read = torch.cat([ahead.values, ahead.tokens]).tolist()  # the step's one read
-    values, tokens = read[: ahead.values.numel()], read[ahead.values.numel():]
+            return False
+    return True
+
+
+def last_tokens(ahead: VerifyAhead, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+    """The device tokens [len(scheduled)] of a plain pass launched ahead that serves this
+    step, one per scheduled sequence (its one row), in order, without reading them."""
+    rows = [ahead.row_start[s.seq.seq_id] for s in scheduled]
+    return ahead.tokens[index_tensor(rows, ahead.tokens.device)]
+
+
+def read(ahead: VerifyAhead, scheduled: list[ScheduledSequence],
+         proposals: list[list[int]]) -> list[int]:
+    """take's read, for a pass known to serve the step (serves)."""
+    both = torch.cat([ahead.values, ahead.tokens]).tolist()  # the step's one read
+    values, tokens = both[: ahead.values.numel()], both[ahead.values.numel():]
     row_tokens: list[int] = []
     for s, props in zip(scheduled, proposals, strict=True):
         seq_id, k = s.seq.seq_id, len(props)
