@@ -185,15 +185,19 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
 
     def generate(ahead: bool = False, **kwargs):
         llm = tiny_llm(tiny_llama, max_model_len=128, **kwargs)
-        if ahead:  # the draft's proposals launched right after each verification, and the
-            llm.llm_engine.speculation.proposer.launch_ahead_enabled = True  # next verify
-            llm.llm_engine.verify_ahead_enabled = True
+        llm.llm_engine.decode_ahead_enabled = ahead  # plain passes launched ahead too
+        if ahead and llm.llm_engine.speculation is not None:  # the draft's proposals launched
+            llm.llm_engine.speculation.proposer.launch_ahead_enabled = True  # after each
+            llm.llm_engine.verify_ahead_enabled = True  # verification, and the next verify
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
     reference = generate(enforce_eager=True)
     monkeypatch.setattr(ModelRunner, "enable_cuda_graphs", force_padded_path)
     assert generate() == reference
+    with returned_something(verify_ahead, "serves") as decoded_ahead:
+        assert generate(True) == reference  # each pass queued before the last one's read
+    assert decoded_ahead and all(decoded_ahead)
     with (returned_something(DraftModelProposer, "_take_ahead") as taken,
           returned_something(verify_ahead, "serves") as verified_ahead):
         for ahead in (False, True):
@@ -202,7 +206,7 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
     assert taken and all(taken)  # launched proposals were taken, from the graph path
     assert verified_ahead and all(verified_ahead)  # ... and verifications launched ahead
     assert generate(num_scheduler_steps=5) == reference  # tokens fed back in the buffer
-    assert len(used) == 6  # plain target; target + draft, twice; multi-step target
+    assert len(used) == 7  # plain target, twice; target + draft, twice; multi-step target
 
 
 @needs_interpreter

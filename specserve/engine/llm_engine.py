@@ -358,13 +358,13 @@ class LLMEngine:
             if early:
                 # the next pass is queued before this one's tokens are read, fed with them on
                 # the device, so the GPU never waits for this step's host work
-                unread = (self.runner.execute_argmax_device(runs) if ahead is None
+                # (a copy: a graph's output is overwritten by the next replay of its bucket)
+                unread = (self.runner.execute_argmax_device(runs).clone() if ahead is None
                           else verify_ahead.last_tokens(ahead, sched.scheduled))  # [n]
                 self._verify_ahead = verify_ahead.launch(
                     self.runner, self.block_manager, sampled, [[0]] * len(sampled), early,
                     None, last_on_device=unread)
-                row_tokens = (unread.tolist() if ahead is None
-                              else verify_ahead.read(ahead, sched.scheduled, proposals))
+                row_tokens = unread.tolist()
             else:
                 row_tokens = (self.runner.execute_argmax(runs) if ahead is None
                               else verify_ahead.read(ahead, sched.scheduled, proposals))

@@ -304,7 +304,14 @@ class CudaGraphRunner:
         if fed is not None:
             self.buffers.views(key)[0][fed[0]] = fed[1]  # queued after the inputs' copy
         if not self.capture:
-            return self._forward(key, argmax)[:real]
+            # what a replay returns: a view of the bucket's one static output, overwritten by
+            # the next forward of the bucket (so code that reads it after launching another
+            # pass is wrong here too, not only on a GPU)
+            out = self._forward(key, argmax)
+            static = outputs.get(key)
+            if static is None or static.shape != out.shape or static.dtype != out.dtype:
+                static = outputs[key] = torch.empty_like(out)
+            return static.copy_(out)[:real]
         graphs[key].replay()
         return outputs[key][:real]
 
