@@ -185,7 +185,8 @@ def test_generation_unchanged_with_padded_path(tiny_llama, tiny_llama_draft, tri
 
     def generate(ahead: bool = False, **kwargs):
         llm = tiny_llm(tiny_llama, max_model_len=128, **kwargs)
-        llm.llm_engine.decode_ahead_enabled = ahead  # plain passes launched ahead too
+        llm.llm_engine.decode_ahead_enabled = ahead  # plain passes launched ahead too,
+        llm.llm_engine.decode_ahead_unread = ahead  # queued before the last one's read
         if ahead and llm.llm_engine.speculation is not None:  # the draft's proposals launched
             llm.llm_engine.speculation.proposer.launch_ahead_enabled = True  # after each
             llm.llm_engine.verify_ahead_enabled = True  # verification, and the next verify

@@ -177,12 +177,15 @@ def test_index_tensor_is_made_once_per_list():
     assert transfer.index_tensor([3, 1, 4], "cpu").tolist() == [3, 1, 4]
 
 
-def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, monkeypatch):
-    """Plain greedy decoding with each step's pass launched in the step before, queued before
-    that step's tokens are read and fed with them on the device (LLMEngine.decode_ahead_enabled):
-    the same tokens as without, with sequences ending at different steps (max_tokens, a stop
-    token, the context's end), requests joining and aborted mid-run, and every KV block back
-    at the end."""
+@pytest.mark.parametrize("unread", [False, True])
+def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, monkeypatch,
+                                                     unread):
+    """Plain greedy decoding with each step's pass launched in the step before
+    (LLMEngine.decode_ahead_enabled), after that step's tokens are read or, with
+    decode_ahead_unread, queued before the read and fed with them on the device: the same
+    tokens as without, with sequences ending at different steps (max_tokens, a stop token,
+    the context's end), requests joining and aborted mid-run, and every KV block back at the
+    end."""
     from specserve.engine import verify_ahead
 
     prompts = test_prompts[:6]
@@ -193,6 +196,7 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, m
         llm = tiny_llm(tiny_llama, max_model_len=48)
         engine = llm.llm_engine
         engine.decode_ahead_enabled = ahead
+        engine.decode_ahead_unread = unread
         positions: list[int] = []  # fed to the passes launched ahead
         launch_pass = engine.runner.execute_argmax_device
 
@@ -201,8 +205,8 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, m
             return launch_pass(runs, fed)
 
         engine.runner.execute_argmax_device = spy_pass
-        unread: list[bool] = []  # was a pass launched before the step's read?
-        monkeypatch.setattr(verify_ahead, "launch", lambda *a, **kw: unread.append(
+        before_read: list[bool] = []  # was a pass launched before the step's read?
+        monkeypatch.setattr(verify_ahead, "launch", lambda *a, **kw: before_read.append(
             kw.get("last_on_device") is not None) or launch(*a, **kw))
         with returned_something(verify_ahead, "serves") as taken:
             outputs, steps = {}, 0
@@ -223,13 +227,24 @@ def test_plain_decodes_launched_ahead_change_nothing(tiny_llama, test_prompts, m
                 steps += 1
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert not positions or max(positions) < 48 - 1  # the last token is never fed back
-        return outputs, taken, unread
+        return outputs, taken, before_read
 
     off, _, _ = run(False)
     stop_id = off["r1"][3]
     off, _, _ = run(False, stop_id)
-    on, taken, unread = run(True, stop_id)
+    on, taken, before_read = run(True, stop_id)
     assert on == off
     assert len(off["r1"]) < lengths[1] and len(off["r5"]) > 10  # a stop; the context's end
     assert sum(taken) >= 20 and not all(taken)  # used, and dropped where requests joined
-    assert sum(unread) >= 20 and all(unread)  # every launch queued before the read
+    assert len(before_read) >= 20 and all(b == unread for b in before_read)
+
+
+def test_pending_read_keeps_the_values_it_was_given():
+    """transfer.PendingRead: the values as they were when it was made (on a CPU a copy; on a
+    GPU a copy queued then), whatever is written into the source afterwards."""
+    from specserve.worker.transfer import PendingRead
+
+    source = torch.tensor([3, 1, 4])
+    pending = PendingRead(source)
+    source.fill_(0)  # the next pass reusing the buffer
+    assert pending.tolist() == [3, 1, 4]

@@ -34,7 +34,7 @@ from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
 from specserve.worker.loading import load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
-from specserve.worker.transfer import index_tensor
+from specserve.worker.transfer import PendingRead, index_tensor
 
 logger = logging.getLogger(__name__)
 # Draft forwards served by CUDA graphs: up to this many tokens per sequence. A proposal step
@@ -149,9 +149,12 @@ class LLMEngine:
         # batch 1 1.02x (BENCHMARKS.md, session 22).
         self.decode_ahead_enabled = self.device.type == "cuda"
         # ... where the plan needs nothing this step's read says (no speculation, or settled
-        # on plain decoding), queued before that read and fed with its tokens on the device
-        # (off: launched after the read, as before session 23; kept for A/B timing)
-        self.decode_ahead_unread = True
+        # on plain decoding), queued before that read and fed with its tokens on the device.
+        # Off until measured: its first form, whose read waited for the pass queued after it,
+        # was 0.82x at batch 32 and 0.97x at batch 1 on the H200 (BENCHMARKS.md, session 23);
+        # the read now waits on an event recorded before that pass (transfer.PendingRead).
+        # `bench_gpu_spec.py --decode-ahead-ab` times it against launching after the read.
+        self.decode_ahead_unread = False
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
@@ -358,13 +361,15 @@ class LLMEngine:
             if early:
                 # the next pass is queued before this one's tokens are read, fed with them on
                 # the device, so the GPU never waits for this step's host work
-                # (a copy: a graph's output is overwritten by the next replay of its bucket)
-                unread = (self.runner.execute_argmax_device(runs).clone() if ahead is None
+                # (a graph's output is overwritten by the next replay of its bucket: both uses
+                # of these tokens, the read's copy and the next pass's feed, are queued first)
+                unread = (self.runner.execute_argmax_device(runs) if ahead is None
                           else verify_ahead.last_tokens(ahead, sched.scheduled))  # [n]
+                tokens_read = PendingRead(unread)  # (its wait skips the pass queued next)
                 self._verify_ahead = verify_ahead.launch(
                     self.runner, self.block_manager, sampled, [[0]] * len(sampled), early,
                     None, last_on_device=unread)
-                row_tokens = unread.tolist()
+                row_tokens = tokens_read.tolist()
             else:
                 row_tokens = (self.runner.execute_argmax(runs) if ahead is None
                               else verify_ahead.read(ahead, sched.scheduled, proposals))

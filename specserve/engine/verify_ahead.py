@@ -144,8 +144,7 @@ def serves(ahead: VerifyAhead, scheduled: list[ScheduledSequence],
 
 def last_tokens(ahead: VerifyAhead, scheduled: list[ScheduledSequence]) -> torch.Tensor:
     """The device tokens [len(scheduled)] of a plain pass launched ahead that serves this
-    step, one per scheduled sequence (its one row), in order, without reading them: a copy
-    (gathered), as the pass's own output is a graph's, overwritten by the next replay."""
+    step, one per scheduled sequence (its one row), in order, without reading them."""
     rows = [ahead.row_start[s.seq.seq_id] for s in scheduled]
     return ahead.tokens[index_tensor(rows, ahead.tokens.device)]
 

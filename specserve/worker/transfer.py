@@ -53,3 +53,26 @@ def scatter_rows(values: torch.Tensor, rows: Sequence[int], total: int) -> torch
     out = values.new_zeros(total, *values.shape[1:])
     out[index_tensor(rows, values.device)] = values
     return out
+
+
+class PendingRead:
+    """A device tensor's values on their way to the host, read later without waiting for work
+    queued after this point. Why: ``tensor.tolist()`` copies in stream order, so a read issued
+    after the next pass was launched waits for that pass too (on the H200 that made batch-32
+    plain decoding with its next pass queued before the read 0.82x the speed of launching it
+    after the read, BENCHMARKS.md session 23). Here the copy into pinned memory and an event
+    are queued now; ``tolist`` waits on that event only."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:  # a CPU tensor is computed already (copied: the caller may reuse its buffer)
+            self._host, self._ready = values.clone(), None
+
+    def tolist(self) -> list:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
