@@ -436,6 +436,17 @@ class LLMEngine:
             self.speculation.metrics.maybe_log()
         return outputs
 
+    def _plain_batch_decodes_ahead(self, scheduled: list[ScheduledSequence],
+                                   sampled: list[ScheduledSequence],
+                                   proposals: list[list[int]]) -> bool:
+        """Whether this step's next plain passes may be launched ahead at all: on
+        (decode_ahead_enabled), no multi-step windows, a closed batch (nobody waiting) of
+        one-token decodes, every one sampled, none verifying proposals."""
+        return (self.decode_ahead_enabled and self.num_scheduler_steps <= 1
+                and not any(proposals) and not self.scheduler.waiting
+                and len(sampled) == len(scheduled)
+                and all(s.num_new_tokens == 1 for s in scheduled))
+
     def _plain_plan_unread(self, scheduled: list[ScheduledSequence],
                            sampled: list[ScheduledSequence],
                            proposals: list[list[int]]) -> dict[int, int] | None:
@@ -444,10 +455,8 @@ class LLMEngine:
         without speculation or settled on plain decoding, where the plan needs nothing the
         read says (each sequence emits exactly one token; one that stops on it is simply not
         read next step)."""
-        if not (self.decode_ahead_enabled and self.decode_ahead_unread
-                and self.num_scheduler_steps <= 1 and not any(proposals)
-                and not self.scheduler.waiting and len(sampled) == len(scheduled)
-                and all(s.num_new_tokens == 1 for s in scheduled)):
+        if not (self.decode_ahead_unread and self._plain_batch_decodes_ahead(
+                scheduled, sampled, proposals)):
             return None
         if self.speculation is not None and not self.speculation.settled_on_plain(sampled):
             return None
@@ -465,9 +474,7 @@ class LLMEngine:
         batch that has not settled, those of a next step planned now that decodes plainly
         again (SpeculationDriver.plan_after_plain). Not after a step that verified
         proposals here (draft-free ones: they are found when a step runs)."""
-        if not (self.decode_ahead_enabled and self.num_scheduler_steps <= 1 and not any(proposals)
-                and not self.scheduler.waiting and len(sampled) == len(scheduled)
-                and all(s.num_new_tokens == 1 for s in scheduled)):
+        if not self._plain_batch_decodes_ahead(scheduled, sampled, proposals):
             return None
         if self.speculation is None or self.speculation.settled_on_plain(sampled):
             return {s.seq.seq_id: 0 for s, tokens in zip(sampled, verified.emitted, strict=True)
