@@ -1450,18 +1450,15 @@ def main() -> int:
     say("\n== 3. verify cost: step with k+1 query tokens / plain decode step (context 512)")
     say("| batch | measure | decode ms | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |")
     say("|---|---|---|" + "---|" * 8)
-    for b, v in ver.items():
-        w0, g0 = v[0]
-        say(f"| {b} | execute() wall | {1e3 * w0:.2f} | "
-            + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
-        say(f"| {b} | graph GPU | {1e3 * g0:.2f} | "
-            + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
-    for b, v in ver_greedy.items():
-        w0, g0 = v[0]
-        say(f"| {b} | greedy: execute_argmax() wall | {1e3 * w0:.2f} | "
-            + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
-        say(f"| {b} | greedy: graph GPU | {1e3 * g0:.2f} | "
-            + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
+    for sweep, wall_label, graph_label in ((ver, "execute() wall", "graph GPU"),
+                                           (ver_greedy, "greedy: execute_argmax() wall",
+                                            "greedy: graph GPU")):
+        for b, v in sweep.items():
+            w0, g0 = v[0]
+            say(f"| {b} | {wall_label} | {1e3 * w0:.2f} | "
+                + " | ".join(f"{w / w0:.3f}" for w, _ in v[1:]) + " |")
+            say(f"| {b} | {graph_label} | {1e3 * g0:.2f} | "
+                + " | ".join(f"{g / g0:.3f}" for _, g in v[1:]) + " |")
 
     if not args.no_spec:
         say(f"\n== 4. speculative decoding, 1B-shaped draft, k={K_SPEC}, replayed proposals")
