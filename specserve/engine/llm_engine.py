@@ -460,8 +460,13 @@ class LLMEngine:
             return None
         if self.speculation is not None and not self.speculation.settled_on_plain(sampled):
             return None
+        return self._every_sequence_going_on(sampled) or None
+
+    def _every_sequence_going_on(self, sampled: list[ScheduledSequence]) -> dict[int, int]:
+        """{seq_id: 0} for each sequence of a plain step that may still generate once the
+        one token it emits is committed: the plan of a plain pass launched ahead."""
         return {s.seq.seq_id: 0 for s in sampled
-                if s.seq.tokens_left(self.max_model_len, 1) > 0} or None
+                if s.seq.tokens_left(self.max_model_len, 1) > 0}
 
     def _plain_plan_ahead(self, scheduled: list[ScheduledSequence],
                           sampled: list[ScheduledSequence], proposals: list[list[int]],
@@ -477,8 +482,7 @@ class LLMEngine:
         if not self._plain_batch_decodes_ahead(scheduled, sampled, proposals):
             return None
         if self.speculation is None or self.speculation.settled_on_plain(sampled):
-            return {s.seq.seq_id: 0 for s, tokens in zip(sampled, verified.emitted, strict=True)
-                    if s.seq.tokens_left(self.max_model_len, len(tokens)) > 0}
+            return self._every_sequence_going_on(sampled)  # (no proposals: one token each)
         return self.speculation.plan_after_plain(sampled, verified)
 
     def _commit(self, req: Request, seq: Sequence, proposals: list[int], emitted: list[int],
