@@ -131,6 +131,7 @@ def _runs_reference(q, k, v, starts, lens, scale):
     (9, 3, 64, [(6, 420)]),  # SmolLM2 verification of 5 proposals
     (8, 2, 128, [(1, 17), (4, 40), (2, 2), (0, 5)]),  # mixed runs, an empty one, a tail of 16
     (4, 4, 16, [(1, 1), (1, 33), (16, 16)]),  # one key; no grouping; a run as long as its context
+    (9, 3, 64, [(150, 150), (1, 90), (70, 200)]),  # a whole prompt, a decode, a prompt chunk
 ])
 def test_run_attention_matches_sdpa(heads, kv_heads, head_dim, runs):
     gen = torch.Generator().manual_seed(heads * head_dim)
@@ -152,6 +153,25 @@ def test_run_attention_matches_sdpa(heads, kv_heads, head_dim, runs):
         alone = kernels.run_attention(q[last:last + 1], k[:1], v[:1], torch.tensor([0, 1]),
                                       torch.tensor([lens[0]]), 0.3)
         assert torch.equal(alone[0], got[last])
+
+
+def test_run_attention_row_bits_do_not_depend_on_the_run():
+    """A query row gets the same bits whether it is attended in a whole prompt (split into
+    blocks of rows inside the kernel), in a prompt chunk, in a verification run or alone as a
+    decode: what makes a model's tokens independent of how the scheduler cut its steps."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, length = 9, 3, 64, 200
+    q = torch.randn(length, heads, dim, generator=gen)
+    k = torch.randn(1, kv_heads, length, dim, generator=gen)
+    v = torch.randn(1, kv_heads, length, dim, generator=gen)
+
+    def run(first: int, last: int) -> torch.Tensor:  # rows [first, last) as one run
+        return kernels.run_attention(q[first:last], k, v, torch.tensor([0, last - first]),
+                                     torch.tensor([last]), 0.125)
+
+    whole = run(0, length)  # [200, H, D], rows in blocks of 64
+    for first, last in [(0, 1), (63, 64), (64, 65), (100, 106), (130, 200), (5, 133)]:
+        assert torch.equal(run(first, last), whole[first:last]), (first, last)
 
 
 def test_run_attention_rejects_bad_input():

@@ -236,9 +236,8 @@ def test_a_few_longer_runs_in_a_decode_batch_are_split_off(pair, monkeypatch):
     if pair.attention == "torch":
         assert layouts == ["_PrefillLayout", "_DecodeLayout", "_SplitLayout", "_SplitLayout",
                            "_SplitLayout", "_DecodeLayout"]
-    else:  # every run of at most 16 tokens goes to the kernel, the 20-token chunk does not
-        assert layouts == ["_PrefillLayout"] + ["_KernelRunsLayout"] * 3 + [
-            "_SplitLayout", "_KernelRunsLayout"]
+    else:  # every step goes to the kernel: prompts, verifications, the 20-token chunk
+        assert layouts == ["_KernelRunsLayout"] * 6
 
 
 def test_a_shrinking_batch_compacts_the_mirror(pair, monkeypatch):

@@ -26,11 +26,17 @@ gathers and one kernel, with every index and mask built once and shared by all l
 
 Padding is cheap at CPU batch sizes and keeps the number of ops per layer constant, which
 matters more on CPU (30 layers x per-op dispatch) than the wasted FLOPs.
+
+On float32 CPU tensors with the C++ kernels built, every step goes instead to
+``_KernelRunsLayout`` (csrc/attention.cpp), which computes each query row the same way in any
+step; the layouts above serve other dtypes and devices, and that layout's fallbacks.
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -283,10 +289,10 @@ class _SplitLayout(_ContextLayout):
 
 
 class _KernelRunsLayout(_ContextLayout):
-    """Decode and verification steps (every run at most MAX_KERNEL_RUN tokens, none a whole
-    prompt) on float32 CPU tensors: csrc/attention.cpp attends every run against its context in
-    one call, with no padding, mask or query gather (2.5x faster than SDPA for one query per
-    sequence and 1.6x for six on SmolLM2's shapes). Anything the kernel does not take (another
+    """Every step on float32 CPU tensors: csrc/attention.cpp attends every run against its
+    context in one call, with no padding, mask or query gather (2.5x faster than SDPA for one
+    query per sequence and 1.6x for six on SmolLM2's shapes; 3.5-5x for whole prompts of
+    130-2000 tokens). Anything the kernel does not take (another
     dtype, a head size other than 16, 32, 64 or 128) goes to the layout prepare() would
     otherwise have picked, built on first use."""
 
@@ -309,7 +315,9 @@ class _KernelRunsLayout(_ContextLayout):
         return self._fallback.attend(query, k_cache, v_cache, scale)
 
 
-MAX_KERNEL_RUN = 16  # longest query run csrc/attention.cpp serves (it does no tiling)
+# Longest query run sent to csrc/attention.cpp: every run (it splits long ones into blocks of
+# rows); tests set 0 to exercise the torch layouts on float32 CPU tensors.
+MAX_KERNEL_RUN = sys.maxsize
 
 
 def _padding_dominates(meta: AttentionMetadata) -> bool:
@@ -325,25 +333,36 @@ class TorchAttentionBackend(AttentionBackend):
         self.mirror = ContextMirror()  # decode context kept across steps (see its module)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Pick this step's layout (the one place that chooses) and precompute it."""
+        """Pick this step's layout (the one place that chooses) and precompute it.
+
+        float32 steps on the CPU go to csrc/attention.cpp whatever their runs (decode,
+        verification, prompt chunks, whole prompts), so a query row's attention has the same
+        bits whichever step computes it: a token verified beside proposals, decoded alone,
+        or prefilled in a chunk the lookahead budget cut elsewhere. Models whose projections
+        amplify last-bit differences (quantization="gguf_a8" rounds activations to 8 bits)
+        then give the same tokens with and without speculation at every batch size. The
+        torch layouts below remain the path for other dtypes and devices (and the fallback
+        inside _KernelRunsLayout)."""
         whole_prompts = all(q == s for q, s in zip(meta.query_lens, meta.seq_lens_host,
                                                    strict=True))
         if whole_prompts:
             self.mirror.invalidate()  # this step writes K/V the mirror does not follow
-            layout: _Layout = _PrefillLayout(meta)
+            mirror = None
+            kind: Callable[[], _Layout] = lambda: _PrefillLayout(meta)  # noqa: E731
         else:
             mirror = self.mirror.plan(meta)
             if meta.max_query_len == 1:
-                kind: type[_ContextLayout] = _DecodeLayout
+                context_kind: type[_ContextLayout] = _DecodeLayout
             elif _padding_dominates(meta):
-                kind = _SplitLayout
+                context_kind = _SplitLayout
             else:  # the mirror serves short runs (verification), drops out for prompt chunks
-                kind = _MixedLayout
-            if (meta.max_query_len <= MAX_KERNEL_RUN and meta.slot_mapping.device.type == "cpu"
-                    and cpu_kernels.load() is not None):
-                layout = _KernelRunsLayout(meta, mirror, lambda: kind(meta, mirror))
-            else:
-                layout = kind(meta, mirror)
+                context_kind = _MixedLayout
+            kind = lambda: context_kind(meta, mirror)  # noqa: E731
+        if (meta.max_query_len <= MAX_KERNEL_RUN and meta.slot_mapping.device.type == "cpu"
+                and cpu_kernels.load() is not None):
+            layout: _Layout = _KernelRunsLayout(meta, mirror, kind)
+        else:
+            layout = kind()
         meta.backend_state["torch"] = layout
 
     def rotate_and_write_kv(self, qkv, rotary, rope, k_cache, v_cache, meta) -> torch.Tensor:

@@ -1,5 +1,5 @@
-// Attention of short query runs (decode: 1 token per sequence; speculative verification: k + 1)
-// against each sequence's context, float32.
+// Attention of query runs (decode: 1 token per sequence; speculative verification: k + 1; prompt
+// chunks and whole prompts) against each sequence's context, float32.
 //
 // Why: at batch 1 a SmolLM2 step attends 1 (decode) or ~6 (verification) query tokens x 9 heads
 // to a few hundred keys: ~0.5 or ~3 M multiply-adds per layer, a few microseconds of arithmetic.
@@ -82,7 +82,8 @@ inline f32x16 exp16(f32x16 x) {
   return p * scale;
 }
 
-constexpr int64_t kKeyChunk = 64;  // keys whose K rows stay in L1 while every query row passes
+constexpr int64_t kKeyChunk = 64;
+constexpr int64_t kRowBlock = 64;  // query rows of a run attended by one task (whole prompts)  // keys whose K rows stay in L1 while every query row passes
 
 // out[r] = sum_t p[r, t] v_t * inv_sum[r] for ROWS rows; row r sees keys [0, first_keys + r)
 // (its probabilities past that are 0, so the pass runs to the last row's keys).
@@ -234,16 +235,34 @@ torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t kv_stride = k.stride(2);
-  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (sequence, head, block of up to kRowBlock query rows). A block's rows are attended
+  // exactly as in a run of their own that ends at the block's last row (a row's arithmetic
+  // never depends on the rows around it), so long runs (whole prompts) keep their score buffer
+  // small and spread over threads. Tasks are dealt round-robin: one long run among many
+  // decodes would otherwise land on one thread.
+  std::vector<int64_t> tasks;  // s * num_heads + h, and the block's first row, interleaved
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r0 = 0; r0 < starts[s + 1] - starts[s]; r0 += kRowBlock)
+      for (int64_t h = 0; h < num_heads; ++h) {
+        tasks.push_back(s * num_heads + h);
+        tasks.push_back(r0);
+      }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size() / 2);
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_heads, h = task % num_heads, kvh = h / group;
-      const int64_t t0 = starts[s], q_len = starts[s + 1] - t0;
-      if (q_len == 0) continue;
-      fn(qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0), q_len,
-         kp + s * k.stride(0) + kvh * k.stride(1), vp + s * v.stride(0) + kvh * v.stride(1),
-         kv_stride, lens[s], static_cast<float>(scale), op + t0 * out.stride(0) + h * head_dim,
-         out.stride(0), buffer);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t t = worker; t < num_tasks; t += workers) {
+        const int64_t s = tasks[2 * t] / num_heads, h = tasks[2 * t] % num_heads, kvh = h / group;
+        const int64_t r0 = tasks[2 * t + 1];
+        const int64_t q_len = starts[s + 1] - starts[s];
+        const int64_t rows = std::min(kRowBlock, q_len - r0);
+        const int64_t t0 = starts[s] + r0;
+        fn(qp + t0 * q.stride(0) + h * q.stride(1), q.stride(0), rows,
+           kp + s * k.stride(0) + kvh * k.stride(1), vp + s * v.stride(0) + kvh * v.stride(1),
+           kv_stride, lens[s] - (q_len - r0 - rows), static_cast<float>(scale),
+           op + t0 * out.stride(0) + h * head_dim, out.stride(0), buffer);
+      }
     }
   });
   return out;
