@@ -101,7 +101,7 @@ class Ours:
         from specserve import LLM
 
         self.llm = LLM(device="cpu", enable_prefix_caching=False, max_model_len=2048, **spec)
-        self.spec = bool(spec)
+        self.spec = "speculative_model" in spec
 
     def chat_ids(self, text: str) -> list[int]:
         rendered = self.llm.apply_chat_template([{"role": "user", "content": text}])

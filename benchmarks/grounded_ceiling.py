@@ -19,7 +19,7 @@ this very data, reaches. Host work outside the pass is left out: about the same 
 and without proposals (0.35-0.5 ms at batch 1 on the CI machine), it is a cost per step that
 speculation pays less often, so counting it would raise these bounds, by 1-2 % at that size.
 
-    python benchmarks/grounded_ceiling.py [--tokens 128] [--prompts 6]
+    python benchmarks/grounded_ceiling.py [--tokens 128] [--prompts 6] [--quantization gguf_a8]
 """
 
 from __future__ import annotations
@@ -122,17 +122,19 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None,
+                    help="as LLM(quantization=...): gguf_a8 for 8-bit activations")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    plain = Ours()
+    plain = Ours() if args.quantization is None else Ours(quantization=args.quantization)
     prompts = [plain.chat_ids(text) for text in humaneval_edit_prompts(args.prompts)]
     outputs = [list(o) for o in plain.generate(prompts, args.tokens)]
     context = int(statistics.median(len(p) for p in prompts)) + args.tokens // 2
     seconds = row_costs(plain.llm.llm_engine.runner, context)
     cost = {r: s / seconds[1] for r, s in seconds.items()}
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} "
-          f"threads; {len(prompts)} grounded prompts, {sum(map(len, outputs))} output tokens")
+          f"threads, quantization {args.quantization or 'default'}; {len(prompts)} grounded prompts, {sum(map(len, outputs))} output tokens")
     print(f"\ntarget pass by rows (one sequence, context {context}; 1 row = "
           f"{1e3 * seconds[1]:.2f} ms):")
     print("| rows | " + " | ".join(str(r) for r in cost) + " |")

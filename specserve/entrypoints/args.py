@@ -145,7 +145,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("max_model_len", parse_human_int, "context length (default: the model's)"),
     EngineFlag("enforce_eager", None, "never capture CUDA graphs"),
     EngineFlag("quantization", str, "quantize the weights after loading: int4 (4-bit groups of "
-               "32, GGUF Q4_1 layout; CPU) or int8 (8-bit weights and activations; CPU)",
+               "32, GGUF Q4_1 layout; CPU), int8 (8-bit weights and activations; CPU), gguf "
+               "(a GGUF file's own blocks, float32 arithmetic; the CPU default for GGUF) or "
+               "gguf_a8 (the same blocks, activations rounded to 8 bits, integer dot products; "
+               "CPU)",
                aliases=("-q",)),
     EngineFlag("device", str, "auto, cpu or cuda"),
     EngineFlag("trust_remote_code", None, "allow custom tokenizer code from the model repo"),

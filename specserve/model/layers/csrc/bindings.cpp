@@ -4,6 +4,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "x [M, K] f32 @ Q4_1 blocks [N, K/32*20]^T -> [M, N]");
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] f32 @ Q8_0 blocks [N, K/32*34]^T -> [M, N]");
+  m.def("q4_1_a8_linear", &q4_1_a8_linear,
+        "x [M, K] f32, rounded to 8 bits per block, @ packed Q4_1 [N/16, K/32, 320] -> [M, N]");
+  m.def("q8_0_a8_linear", &q8_0_a8_linear,
+        "x [M, K] f32, rounded to 8 bits per block, @ packed Q8_0 [N/16, K/32, 576] -> [M, N]");
   m.def("rms_norm", &rms_norm, "x [T, H] f32 -> weight * x / rms(x), per row");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual) -> (rms_norm(x + residual), x + residual)");
   m.def("rope_write_kv", &rope_write_kv,

@@ -36,6 +36,11 @@ inline float hsum16(f32x16 v) {
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
 
+// gguf_a8_linear.cpp: x [M, K] float32, rounded to 8 bits per 32-value block, @ GGUF blocks packed
+// by quantization/gguf_a8.py [N / 16, K / 32, record]^T -> [M, N] (integer dot products)
+torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+torch::Tensor q8_0_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+
 // rms_norm.cpp: float32 RMSNorm rows, and the residual add fused in front of it
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,

@@ -1,0 +1,309 @@
+// y = x @ W^T with W in GGUF blocks (Q4_1 or Q8_0) and x quantized to 8 bits per 32-value block,
+// multiplied with integer dot products (AVX-512 VNNI), as llama.cpp and vLLM's GGUF
+// matrix-vector kernels do.
+//
+// Why: the float32 kernel (gguf_linear.cpp) gives the dequantized model's exact float32
+// products, but from 2 rows of x on it is bound by float32 FMAs (16 multiply-adds per
+// instruction), so each verified row of a speculative step costs 14-24 % of a decode pass on a
+// 2-core CPU. vpdpbusd does 64 8-bit multiply-adds per instruction; with the weights repacked so
+// that its 16 lanes are 16 output features, a block of 32 inputs costs 8 of them per row plus 3
+// float operations, and a verification of a few rows stays near the cost of reading the
+// weights once. The price: x is rounded to 8 bits per block (x_hat = dx * xq, dx = amax / 127),
+// so results are those of the dequantized weights times x_hat, not times x (opt-in:
+// quantization="gguf_a8").
+//
+// Bits: every output is, block after block in order,
+//   acc = fma(float(isum), d * dx, acc)            isum = sum q * xq, exact in int32
+//   acc = fma(m, dx * float(sum xq), acc)          (Q4_1's minimum; Q8_0 has none)
+// so an output's bits depend only on its own row of x and its weight row, never on the tiling,
+// the thread split or the batch (speculative verification equals plain decoding exactly). The
+// portable path below does the same operations in the same order.
+//
+// Packed layout (gguf_a8.py packs the file's blocks): groups of 16 weight rows, each group
+// [blocks, record] contiguous so that a tile reads one stream.
+//   Q4_1 record (320 bytes): 4 x 64 bytes of codes, lane c's 4 bytes of chunk p = the file's
+//     bytes 4p..4p+3 of row c (low nibbles: inputs 4p..4p+3, high nibbles: 16 + 4p..), then
+//     16 x f16 d, 16 x f16 m.
+//   Q8_0 record (576 bytes): 8 x 64 bytes of codes (chunk p: inputs 4p..4p+3), 16 x f16 d,
+//     16 x int16 sum of the row's 32 codes (vpdpbusd multiplies unsigned by signed, so x goes
+//     in as xq + 128 and 128 * sum(w) is taken back out, exactly).
+
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECSERVE_VNNI 1
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;
+constexpr int kLanes = 16;  // weight rows per group
+constexpr int kTile = 8;  // rows of x sharing one decode of a record
+constexpr int64_t kPanel = 8;  // groups kept in cache while every tile of x passes
+constexpr int64_t kPrefetchRecords = 8;
+
+inline float f16(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// x [M, K] -> xq [M, K] int8 (and xu = xq + 128 as uint8), dx [M, blocks], sxq [M, blocks]
+// (dx * sum of the block's codes). The AVX-512 path computes the same values: the maximum and
+// the integer sum do not depend on order, and both round x * id to nearest even.
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, uint8_t* xu, float* dx,
+                   float* sxq) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < blocks; ++g) {
+      const float* v = x + r * k + g * kBlock;
+      int8_t* q = xq + r * k + g * kBlock;
+#if defined(SPECSERVE_VNNI)
+      const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      const __m512 scale = _mm512_set1_ps(id);
+      const __m512i bound = _mm512_set1_epi32(127);
+      const __m512i qlo = _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), bound),
+          _mm512_min_epi32(bound, _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+      const __m512i qhi = _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), bound),
+          _mm512_min_epi32(bound, _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int c = static_cast<int>(std::nearbyint(v[j] * id));
+        q[j] = static_cast<int8_t>(std::max(-127, std::min(127, c)));
+        sum += q[j];
+      }
+#endif
+      if (xu != nullptr)
+        for (int j = 0; j < kBlock; ++j) xu[r * k + g * kBlock + j] = static_cast<uint8_t>(q[j] + 128);
+      dx[r * blocks + g] = d;
+      sxq[r * blocks + g] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+struct Q41 {
+  static constexpr int64_t kRecord = 320;
+  static constexpr bool kUnsignedX = false;
+};
+struct Q80 {
+  static constexpr int64_t kRecord = 576;
+  static constexpr bool kUnsignedX = true;
+};
+
+#if defined(SPECSERVE_VNNI)
+
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows rows of x against Groups consecutive groups (16 * Groups outputs), all blocks.
+template <typename Format, int Rows, int Groups>
+void tile(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq, int64_t k,
+          int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y, int64_t ldy,
+          int64_t n_valid) {
+  __m512 acc[Rows][Groups];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Groups; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < blocks; ++g) {
+    for (int j = 0; j < Groups; ++j) {
+      const uint8_t* rec = w + j * group_bytes + g * Format::kRecord;
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 192), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 256), _MM_HINT_T0);
+      if constexpr (Format::kRecord > 320) {
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 320), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 384), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 448), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 512), _MM_HINT_T0);
+      }
+      __m512i op[8];
+      __m512 dvec, mvec;
+      __m512i init;
+      if constexpr (!Format::kUnsignedX) {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+          op[p] = _mm512_and_si512(v, nibble);
+          op[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+        mvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+        init = _mm512_setzero_si512();
+      } else {
+        for (int p = 0; p < 8; ++p) op[p] = _mm512_loadu_si512(rec + 64 * p);
+        dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+        const __m512i wsum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544)));
+        init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
+        mvec = _mm512_setzero_ps();
+      }
+      for (int r = 0; r < Rows; ++r) {
+        __m512i lo = init, hi = _mm512_setzero_si512();
+        if constexpr (!Format::kUnsignedX) {
+          const int8_t* xg = xq + r * k + g * kBlock;
+          for (int p = 0; p < 4; ++p) {
+            lo = _mm512_dpbusd_epi32(lo, op[p], bcast4(xg + 4 * p));
+            hi = _mm512_dpbusd_epi32(hi, op[4 + p], bcast4(xg + 16 + 4 * p));
+          }
+        } else {
+          const uint8_t* xg = xu + r * k + g * kBlock;
+          for (int p = 0; p < 4; ++p) {
+            lo = _mm512_dpbusd_epi32(lo, bcast4(xg + 4 * p), op[p]);
+            hi = _mm512_dpbusd_epi32(hi, bcast4(xg + 16 + 4 * p), op[4 + p]);
+          }
+        }
+        const __m512 dd = _mm512_mul_ps(dvec, _mm512_set1_ps(dx[r * blocks + g]));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dd, acc[r][j]);
+        if constexpr (!Format::kUnsignedX)
+          acc[r][j] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(sxq[r * blocks + g]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < Groups; ++j) {
+      const int64_t valid = std::min<int64_t>(kLanes, n_valid - j * kLanes);
+      if (valid >= kLanes) _mm512_storeu_ps(y + r * ldy + j * kLanes, acc[r][j]);
+      else if (valid > 0)
+        _mm512_mask_storeu_ps(y + r * ldy + j * kLanes, static_cast<__mmask16>((1u << valid) - 1), acc[r][j]);
+    }
+}
+
+#else  // portable: the same operations in the same order, one output at a time
+
+template <typename Format, int Rows, int Groups>
+void tile(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq, int64_t k,
+          int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y, int64_t ldy,
+          int64_t n_valid) {
+  (void)xu;
+  for (int j = 0; j < Groups; ++j)
+    for (int c = 0; c < kLanes && j * kLanes + c < n_valid; ++c)
+      for (int r = 0; r < Rows; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < blocks; ++g) {
+          const uint8_t* rec = w + j * group_bytes + g * Format::kRecord;
+          const int8_t* xg = xq + r * k + g * kBlock;
+          int32_t isum = 0;
+          uint16_t dh;
+          float mv = 0.f;
+          if constexpr (!Format::kUnsignedX) {
+            for (int p = 0; p < 4; ++p)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t b = rec[64 * p + 4 * c + i];
+                isum += (b & 15) * xg[4 * p + i] + (b >> 4) * xg[16 + 4 * p + i];
+              }
+            std::memcpy(&dh, rec + 256 + 2 * c, 2);
+            uint16_t mh;
+            std::memcpy(&mh, rec + 288 + 2 * c, 2);
+            mv = f16(mh);
+          } else {
+            for (int p = 0; p < 8; ++p)
+              for (int i = 0; i < 4; ++i)
+                isum += static_cast<int8_t>(rec[64 * p + 4 * c + i]) * xg[4 * p + i];
+            std::memcpy(&dh, rec + 512 + 2 * c, 2);
+          }
+          acc = std::fma(static_cast<float>(isum), f16(dh) * dx[r * blocks + g], acc);
+          if constexpr (!Format::kUnsignedX) acc = std::fma(mv, sxq[r * blocks + g], acc);
+        }
+        y[r * ldy + j * kLanes + c] = acc;
+      }
+}
+
+#endif
+
+template <typename Format, int Rows, int Groups>
+void rows_block(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq,
+                int64_t k, int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y,
+                int64_t n, int64_t g0, int64_t g1) {
+  int64_t j = g0;
+  for (; j + Groups <= g1; j += Groups)
+    tile<Format, Rows, Groups>(xq, xu, dx, sxq, k, blocks, w + j * group_bytes, group_bytes,
+                               y + j * kLanes, n, n - j * kLanes);
+  for (; j < g1; ++j)
+    tile<Format, Rows, 1>(xq, xu, dx, sxq, k, blocks, w + j * group_bytes, group_bytes,
+                          y + j * kLanes, n, n - j * kLanes);
+}
+
+template <typename Format>
+void rows_dispatch(int rows, const int8_t* xq, const uint8_t* xu, const float* dx,
+                   const float* sxq, int64_t k, int64_t blocks, const uint8_t* w,
+                   int64_t group_bytes, float* y, int64_t n, int64_t g0, int64_t g1) {
+  switch (rows) {
+    case 1: return rows_block<Format, 1, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 2: return rows_block<Format, 2, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 3: return rows_block<Format, 3, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 4: return rows_block<Format, 4, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 5: return rows_block<Format, 5, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 6: return rows_block<Format, 6, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 7: return rows_block<Format, 7, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    default: return rows_block<Format, kTile, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+  }
+}
+
+template <typename Format>
+torch::Tensor a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+              "w must be packed [N / 16, K / 32, record] contiguous uint8");
+  const int64_t m = x.size(0), k = x.size(1), groups = w.size(0);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
+  const int64_t blocks = k / kBlock;
+  TORCH_CHECK(w.size(1) == blocks && w.size(2) == Format::kRecord, "w has the wrong packed shape");
+  TORCH_CHECK(n > (groups - 1) * kLanes && n <= groups * kLanes, "n does not match the groups");
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor xq = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  torch::Tensor xu;
+  if (Format::kUnsignedX) xu = torch::empty({m, k}, x.options().dtype(torch::kUInt8));
+  torch::Tensor scales = torch::empty({2, m, blocks}, x.options());
+  float* dx = scales.data_ptr<float>();
+  float* sxq = dx + m * blocks;
+  quantize_rows(xc.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(),
+                Format::kUnsignedX ? xu.data_ptr<uint8_t>() : nullptr, dx, sxq);
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const uint8_t* xup = Format::kUnsignedX ? xu.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t group_bytes = blocks * Format::kRecord;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += kPanel) {
+      const int64_t p1 = std::min(end, p0 + kPanel);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, m - r0));
+        rows_dispatch<Format>(rows, xqp + r0 * k, xup ? xup + r0 * k : nullptr, dx + r0 * blocks,
+                              sxq + r0 * blocks, k, blocks, wp, group_bytes, yp + r0 * n, n, p0, p1);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  return a8_linear<Q41>(x, w, n);
+}
+
+torch::Tensor q8_0_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  return a8_linear<Q80>(x, w, n);
+}
