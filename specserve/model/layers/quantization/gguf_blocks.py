@@ -85,7 +85,8 @@ class GGUFBlocks(QuantizationMethod):
 
     def bind(self, model: nn.Module, source) -> None:
         if not getattr(source, "is_gguf", False):
-            raise ValueError(f"quantization='gguf' needs a .gguf model; {source.name} is not one.")
+            raise ValueError(f"quantization={self.name!r} needs a .gguf model; {source.name} is "
+                             "not one.")
         self._kernels = cpu_kernels.load()
         if self._kernels is None:
             return
