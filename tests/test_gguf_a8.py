@@ -192,3 +192,32 @@ def test_smollm2_a8_stays_as_close_to_float32_as_llama_cpp_does(smol_a8):
     assert agree / len(positions) > 0.9
     assert sum(drift) / len(drift) < 0.15
     assert max(drift) > 0  # it is not silently the float32 model
+
+
+def test_portable_path_gives_the_vnni_bits(tmp_path):
+    """CPUs without AVX-512 VNNI compile the kernel's portable path (the same operations in the
+    same order, one output at a time). Built here with VNNI switched off, it must give exactly
+    the loaded kernel's bits, so a model's tokens do not depend on the CPU's instruction set.
+    (On a CPU without VNNI both builds are the portable path and this checks less.)"""
+    from torch.utils.cpp_extension import load
+
+    csrc = cpu_kernels._CSRC
+    binding = tmp_path / "bind.cpp"
+    binding.write_text('#include "cpu_kernels.h"\n'
+                       "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+                       '  m.def("q4_1_a8_linear", &q4_1_a8_linear);\n'
+                       '  m.def("q8_0_a8_linear", &q8_0_a8_linear);\n}\n')
+    portable = load(name="specserve_a8_portable_test", sources=[str(binding),
+                                                               str(csrc / "gguf_a8_linear.cpp")],
+                    extra_include_paths=[str(csrc)], build_directory=str(tmp_path),
+                    extra_cflags=["-O2", "-march=native", "-mno-avx512vnni", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+    gen = torch.Generator().manual_seed(9)
+    for qtype, fmt in FORMATS:
+        raw, _ = _blocks(qtype, 131, 192, seed=3)
+        packed = PACKERS[fmt](raw)
+        x = torch.randn(9, 192, generator=gen) * torch.logspace(-3, 2, 9)[:, None]
+        x[1, :32] = 0.0
+        name = f"{fmt.lower()}_a8_linear"
+        assert torch.equal(getattr(portable, name)(x, packed, 131),
+                           getattr(kernels, name)(x, packed, 131)), fmt
