@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode import adaptive
 from specserve.spec_decode.adaptive import (
     BORROW_STEPS,
     CLOSED_EXPLORE_TOKENS,
@@ -116,6 +117,28 @@ def test_backs_off_when_verification_is_not_free():
             _train(policy, seq_id, 0.6)
     assert sum(cheap.plan(batch, [5] * 32)) > 32
     assert sum(costly.plan(batch, [5] * 32)) == 0
+
+
+def test_a_slow_sample_at_a_small_count_does_not_outweigh_a_cheaper_larger_count(monkeypatch):
+    """Verifying fewer proposals never costs more: 2 proposals measured once at 1.34 plain steps
+    (a slow moment) while 5 cost 1.27 are taken at 1.27, so a sequence whose lookup found 2
+    tokens still speculates; without the rule it would decode plainly until the sample
+    expired (measured on the CPU with gguf_a8: runs that speculated on a third of their
+    steps)."""
+    def slow_two(policy):
+        policy.costs.observe(1, 0, PLAIN_SECONDS, after_spec=False)
+        policy.costs.observe(1, 1, PLAIN_SECONDS * 1.30, after_spec=False)
+        policy.costs.observe(1, 2, PLAIN_SECONDS * 1.34, after_spec=False)
+        policy.costs.observe(1, 5, PLAIN_SECONDS * 1.27, after_spec=False)
+        policy.acceptance[1] = [0.25, 0.3]
+        policy.continuation_trials[1] = MIN_CONTINUATION_TRIALS
+        return policy
+
+    monotone = slow_two(AdaptiveSpeculation(5))
+    assert monotone.costs.ratio_curve(1) == [(0.0, 1.0), (1, 1.27), (2, 1.27), (5, 1.27)]
+    assert monotone.plan([1], [2]) == [2]  # 1.325 tokens for 1.27 steps
+    monkeypatch.setattr(adaptive, "MONOTONE_COSTS", False)
+    assert slow_two(AdaptiveSpeculation(5)).plan([1], [2]) == [0]  # ... for 1.34
 
 
 def test_switch_penalty_is_charged():

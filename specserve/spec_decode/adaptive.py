@@ -89,6 +89,7 @@ PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
 EXPLORE_MIN = 8  # draft-free proposals a step may try before any cost of its batch is known
 EXPLORE_FACTOR = 2  # ... and at most this many times the largest measured count after that
+MONOTONE_COSTS = True  # a count's cost ratio is at most that of any larger count (ratio_curve)
 
 
 @dataclass
@@ -191,6 +192,15 @@ class StepCosts:
             if values:
                 points.append((statistics.median(p for p, _ in values),
                                min(r for _, r in values)))
+        if MONOTONE_COSTS:
+            # A step never costs more for verifying fewer proposals: a count measured dearer
+            # than a larger one holds a slow sample (a count tried once or twice, in a slow
+            # moment), and as the policy avoids counts it believes dear it would not measure
+            # it again before the sample expires. Each point takes the cheapest ratio at its
+            # count or above.
+            for i in range(len(points) - 2, 0, -1):
+                if points[i][1] > points[i + 1][1]:
+                    points[i] = (points[i][0], points[i + 1][1])
         return points
 
     def switch_penalty(self, batch_size: int) -> float:
