@@ -292,9 +292,9 @@ class _KernelRunsLayout(_ContextLayout):
     """Every step on float32 CPU tensors: csrc/attention.cpp attends every run against its
     context in one call, with no padding, mask or query gather (2.5x faster than SDPA for one
     query per sequence and 1.6x for six on SmolLM2's shapes; 3.5-5x for whole prompts of
-    130-2000 tokens). Anything the kernel does not take (another
-    dtype, a head size other than 16, 32, 64 or 128) goes to the layout prepare() would
-    otherwise have picked, built on first use."""
+    130-2000 tokens). Anything the kernel does not take (another dtype, a head size other than
+    16, 32, 64 or 128) goes to the layout prepare() would otherwise have picked, built on first
+    use."""
 
     def __init__(self, meta: AttentionMetadata, mirror: MirrorStep | None, fallback) -> None:
         super().__init__(meta, mirror)

@@ -20,12 +20,15 @@ blocks are repacked once at load into groups of 16 weight rows (same bytes per w
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFBlocks
+
+logger = logging.getLogger(__name__)
 
 LANES = 16  # weight rows per packed group: one int32 lane each
 
@@ -78,6 +81,13 @@ class GGUFBlocksA8(GGUFBlocks):
     description: ClassVar[str] = ("keep a GGUF file's Q4_1 / Q8_0 blocks and round activations to "
                                   "8 bits per 32 values for integer dot products (as llama.cpp); "
                                   "CPU, float32 model, opt-in")
+
+    def bind(self, model: nn.Module, source) -> None:
+        super().bind(model, source)
+        if self._kernels is None:  # every layer then keeps its dequantized float32 weight
+            logger.warning("quantization='gguf_a8' needs specserve's CPU kernels, which are off "
+                           "or did not build: the model runs on its dequantized float32 "
+                           "weights instead")
 
     def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
         found = self._blocks.get(name)
