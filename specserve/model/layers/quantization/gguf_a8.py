@@ -89,17 +89,14 @@ class GGUFBlocksA8(GGUFBlocks):
                            "or did not build: the model runs on its dequantized float32 "
                            "weights instead")
 
-    def quantize_linear(self, linear: nn.Linear, role: str, name: str) -> nn.Module | None:
-        found = self._blocks.get(name)
-        if found is None or linear.weight.dtype != torch.float32:
-            return None
-        blocks, format_name = found
+    def _block_linear(self, linear: nn.Linear, blocks: torch.Tensor, format_name: str,
+                      tied: bool) -> GGUFBlockLinear:
+        """The layer over the blocks repacked for the VNNI kernel (see PACKERS)."""
         kernel = getattr(self._kernels, f"{format_name.lower()}_a8_linear")
         out_features = blocks.shape[0]
 
         def a8_kernel(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
             return kernel(x, packed, out_features)
 
-        tied = linear.weight.data_ptr() in self._embedding_tables
         return GGUFBlockLinear(linear, PACKERS[format_name](blocks), a8_kernel,
                                f"{format_name}+a8", keep_weight=tied)

@@ -101,6 +101,11 @@ class GGUFBlocks(QuantizationMethod):
         if found is None or linear.weight.dtype != torch.float32:
             return None
         blocks, format_name = found
-        kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
         tied = linear.weight.data_ptr() in self._embedding_tables
+        return self._block_linear(linear, blocks, format_name, tied)
+
+    def _block_linear(self, linear: nn.Linear, blocks: torch.Tensor, format_name: str,
+                      tied: bool) -> GGUFBlockLinear:
+        """The layer over the file's blocks [N, K / 32 * block bytes] of type format_name."""
+        kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
         return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
