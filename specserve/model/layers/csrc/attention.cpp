@@ -82,8 +82,8 @@ inline f32x16 exp16(f32x16 x) {
   return p * scale;
 }
 
-constexpr int64_t kKeyChunk = 64;
-constexpr int64_t kRowBlock = 64;  // query rows of a run attended by one task (whole prompts)  // keys whose K rows stay in L1 while every query row passes
+constexpr int64_t kKeyChunk = 64;  // keys whose K rows stay in L1 while every query row passes
+constexpr int64_t kRowBlock = 64;  // query rows of a run attended by one task (whole prompts)
 
 // out[r] = sum_t p[r, t] v_t * inv_sum[r] for ROWS rows; row r sees keys [0, first_keys + r)
 // (its probabilities past that are 0, so the pass runs to the last row's keys).
