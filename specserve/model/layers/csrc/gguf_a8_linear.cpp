@@ -116,147 +116,132 @@ inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Rows rows of x against Groups consecutive groups (16 * Groups outputs), all blocks.
-template <typename Format, int Rows, int Groups>
+// Rows rows of x against one group (16 outputs), all blocks. (Two groups per tile, sharing the
+// broadcasts of x, measured slower at 2-4 rows on the CI-class Zen 4: two weight streams.)
+template <typename Format, int Rows>
 void tile(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq, int64_t k,
-          int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y, int64_t ldy,
-          int64_t n_valid) {
-  __m512 acc[Rows][Groups];
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Groups; ++j) acc[r][j] = _mm512_setzero_ps();
+          int64_t blocks, const uint8_t* w, float* y, int64_t ldy, int64_t n_valid) {
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < blocks; ++g) {
-    for (int j = 0; j < Groups; ++j) {
-      const uint8_t* rec = w + j * group_bytes + g * Format::kRecord;
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 192), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 256), _MM_HINT_T0);
-      if constexpr (Format::kRecord > 320) {
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 320), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 384), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 448), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + 512), _MM_HINT_T0);
+    const uint8_t* rec = w + g * Format::kRecord;
+    for (int64_t line = 0; line < Format::kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * Format::kRecord + line),
+                   _MM_HINT_T0);
+    __m512i op[8];
+    __m512 dvec, mvec;
+    __m512i init;
+    if constexpr (!Format::kUnsignedX) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+        op[p] = _mm512_and_si512(v, nibble);
+        op[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      __m512i op[8];
-      __m512 dvec, mvec;
-      __m512i init;
+      dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+      mvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+      init = _mm512_setzero_si512();
+    } else {
+      for (int p = 0; p < 8; ++p) op[p] = _mm512_loadu_si512(rec + 64 * p);
+      dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+      const __m512i wsum = _mm512_cvtepi16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544)));
+      init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
+      mvec = _mm512_setzero_ps();
+    }
+    for (int r = 0; r < Rows; ++r) {
+      __m512i lo = init, hi = _mm512_setzero_si512();
       if constexpr (!Format::kUnsignedX) {
+        const int8_t* xg = xq + r * k + g * kBlock;
         for (int p = 0; p < 4; ++p) {
-          const __m512i v = _mm512_loadu_si512(rec + 64 * p);
-          op[p] = _mm512_and_si512(v, nibble);
-          op[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          lo = _mm512_dpbusd_epi32(lo, op[p], bcast4(xg + 4 * p));
+          hi = _mm512_dpbusd_epi32(hi, op[4 + p], bcast4(xg + 16 + 4 * p));
         }
-        dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
-        mvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
-        init = _mm512_setzero_si512();
       } else {
-        for (int p = 0; p < 8; ++p) op[p] = _mm512_loadu_si512(rec + 64 * p);
-        dvec = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
-        const __m512i wsum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544)));
-        init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
-        mvec = _mm512_setzero_ps();
-      }
-      for (int r = 0; r < Rows; ++r) {
-        __m512i lo = init, hi = _mm512_setzero_si512();
-        if constexpr (!Format::kUnsignedX) {
-          const int8_t* xg = xq + r * k + g * kBlock;
-          for (int p = 0; p < 4; ++p) {
-            lo = _mm512_dpbusd_epi32(lo, op[p], bcast4(xg + 4 * p));
-            hi = _mm512_dpbusd_epi32(hi, op[4 + p], bcast4(xg + 16 + 4 * p));
-          }
-        } else {
-          const uint8_t* xg = xu + r * k + g * kBlock;
-          for (int p = 0; p < 4; ++p) {
-            lo = _mm512_dpbusd_epi32(lo, bcast4(xg + 4 * p), op[p]);
-            hi = _mm512_dpbusd_epi32(hi, bcast4(xg + 16 + 4 * p), op[4 + p]);
-          }
+        const uint8_t* xg = xu + r * k + g * kBlock;
+        for (int p = 0; p < 4; ++p) {
+          lo = _mm512_dpbusd_epi32(lo, bcast4(xg + 4 * p), op[p]);
+          hi = _mm512_dpbusd_epi32(hi, bcast4(xg + 16 + 4 * p), op[4 + p]);
         }
-        const __m512 dd = _mm512_mul_ps(dvec, _mm512_set1_ps(dx[r * blocks + g]));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dd, acc[r][j]);
-        if constexpr (!Format::kUnsignedX)
-          acc[r][j] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(sxq[r * blocks + g]), acc[r][j]);
       }
+      const __m512 dd = _mm512_mul_ps(dvec, _mm512_set1_ps(dx[r * blocks + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dd, acc[r]);
+      if constexpr (!Format::kUnsignedX)
+        acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(sxq[r * blocks + g]), acc[r]);
     }
   }
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < Groups; ++j) {
-      const int64_t valid = std::min<int64_t>(kLanes, n_valid - j * kLanes);
-      if (valid >= kLanes) _mm512_storeu_ps(y + r * ldy + j * kLanes, acc[r][j]);
-      else if (valid > 0)
-        _mm512_mask_storeu_ps(y + r * ldy + j * kLanes, static_cast<__mmask16>((1u << valid) - 1), acc[r][j]);
-    }
+  const int64_t valid = std::min<int64_t>(kLanes, n_valid);
+  for (int r = 0; r < Rows; ++r) {
+    if (valid == kLanes) _mm512_storeu_ps(y + r * ldy, acc[r]);
+    else _mm512_mask_storeu_ps(y + r * ldy, static_cast<__mmask16>((1u << valid) - 1), acc[r]);
+  }
 }
 
 #else  // portable: the same operations in the same order, one output at a time
 
-template <typename Format, int Rows, int Groups>
+template <typename Format, int Rows>
 void tile(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq, int64_t k,
-          int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y, int64_t ldy,
-          int64_t n_valid) {
+          int64_t blocks, const uint8_t* w, float* y, int64_t ldy, int64_t n_valid) {
   (void)xu;
-  for (int j = 0; j < Groups; ++j)
-    for (int c = 0; c < kLanes && j * kLanes + c < n_valid; ++c)
-      for (int r = 0; r < Rows; ++r) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < blocks; ++g) {
-          const uint8_t* rec = w + j * group_bytes + g * Format::kRecord;
-          const int8_t* xg = xq + r * k + g * kBlock;
-          int32_t isum = 0;
-          uint16_t dh;
-          float mv = 0.f;
-          if constexpr (!Format::kUnsignedX) {
-            for (int p = 0; p < 4; ++p)
-              for (int i = 0; i < 4; ++i) {
-                const uint8_t b = rec[64 * p + 4 * c + i];
-                isum += (b & 15) * xg[4 * p + i] + (b >> 4) * xg[16 + 4 * p + i];
-              }
-            std::memcpy(&dh, rec + 256 + 2 * c, 2);
-            uint16_t mh;
-            std::memcpy(&mh, rec + 288 + 2 * c, 2);
-            mv = f16(mh);
-          } else {
-            for (int p = 0; p < 8; ++p)
-              for (int i = 0; i < 4; ++i)
-                isum += static_cast<int8_t>(rec[64 * p + 4 * c + i]) * xg[4 * p + i];
-            std::memcpy(&dh, rec + 512 + 2 * c, 2);
-          }
-          acc = std::fma(static_cast<float>(isum), f16(dh) * dx[r * blocks + g], acc);
-          if constexpr (!Format::kUnsignedX) acc = std::fma(mv, sxq[r * blocks + g], acc);
+  for (int c = 0; c < kLanes && c < n_valid; ++c)
+    for (int r = 0; r < Rows; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < blocks; ++g) {
+        const uint8_t* rec = w + g * Format::kRecord;
+        const int8_t* xg = xq + r * k + g * kBlock;
+        int32_t isum = 0;
+        uint16_t dh;
+        float mv = 0.f;
+        if constexpr (!Format::kUnsignedX) {
+          for (int p = 0; p < 4; ++p)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = rec[64 * p + 4 * c + i];
+              isum += (b & 15) * xg[4 * p + i] + (b >> 4) * xg[16 + 4 * p + i];
+            }
+          std::memcpy(&dh, rec + 256 + 2 * c, 2);
+          uint16_t mh;
+          std::memcpy(&mh, rec + 288 + 2 * c, 2);
+          mv = f16(mh);
+        } else {
+          for (int p = 0; p < 8; ++p)
+            for (int i = 0; i < 4; ++i)
+              isum += static_cast<int8_t>(rec[64 * p + 4 * c + i]) * xg[4 * p + i];
+          std::memcpy(&dh, rec + 512 + 2 * c, 2);
         }
-        y[r * ldy + j * kLanes + c] = acc;
+        acc = std::fma(static_cast<float>(isum), f16(dh) * dx[r * blocks + g], acc);
+        if constexpr (!Format::kUnsignedX) acc = std::fma(mv, sxq[r * blocks + g], acc);
       }
+      y[r * ldy + c] = acc;
+    }
 }
 
 #endif
 
-template <typename Format, int Rows, int Groups>
+// Groups [g0, g1) for Rows rows of x.
+template <typename Format, int Rows>
 void rows_block(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq,
                 int64_t k, int64_t blocks, const uint8_t* w, int64_t group_bytes, float* y,
                 int64_t n, int64_t g0, int64_t g1) {
-  int64_t j = g0;
-  for (; j + Groups <= g1; j += Groups)
-    tile<Format, Rows, Groups>(xq, xu, dx, sxq, k, blocks, w + j * group_bytes, group_bytes,
-                               y + j * kLanes, n, n - j * kLanes);
-  for (; j < g1; ++j)
-    tile<Format, Rows, 1>(xq, xu, dx, sxq, k, blocks, w + j * group_bytes, group_bytes,
-                          y + j * kLanes, n, n - j * kLanes);
+  for (int64_t j = g0; j < g1; ++j)
+    tile<Format, Rows>(xq, xu, dx, sxq, k, blocks, w + j * group_bytes, y + j * kLanes, n,
+                       n - j * kLanes);
 }
 
+// Up to kTile rows of x at a time; the row count picks the tile (each decoded record serves
+// all of its rows).
 template <typename Format>
 void rows_dispatch(int rows, const int8_t* xq, const uint8_t* xu, const float* dx,
                    const float* sxq, int64_t k, int64_t blocks, const uint8_t* w,
                    int64_t group_bytes, float* y, int64_t n, int64_t g0, int64_t g1) {
   switch (rows) {
-    case 1: return rows_block<Format, 1, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 2: return rows_block<Format, 2, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 3: return rows_block<Format, 3, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 4: return rows_block<Format, 4, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 5: return rows_block<Format, 5, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 6: return rows_block<Format, 6, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    case 7: return rows_block<Format, 7, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
-    default: return rows_block<Format, kTile, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 1: return rows_block<Format, 1>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 2: return rows_block<Format, 2>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 3: return rows_block<Format, 3>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 4: return rows_block<Format, 4>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 5: return rows_block<Format, 5>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 6: return rows_block<Format, 6>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    case 7: return rows_block<Format, 7>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
+    default: return rows_block<Format, kTile>(xq, xu, dx, sxq, k, blocks, w, group_bytes, y, n, g0, g1);
   }
 }
 
