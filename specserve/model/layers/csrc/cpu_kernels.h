@@ -2,12 +2,20 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/Half.h>
 
 #include <cstring>
 #include <tuple>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+
+// A GGUF block's float16 scale (raw bits) as float32: exact either way.
+#if defined(__F16C__)
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 #endif
 
 // 16 float32 lanes (one AVX-512 register; GCC splits it where registers are narrower).

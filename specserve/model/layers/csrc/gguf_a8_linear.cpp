@@ -31,7 +31,6 @@
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
@@ -52,8 +51,6 @@ constexpr int kLanes = 16;  // weight rows per group
 constexpr int kTile = 8;  // rows of x sharing one decode of a record
 constexpr int64_t kPanel = 8;  // groups kept in cache while every tile of x passes
 constexpr int64_t kPrefetchRecords = 8;
-
-inline float f16(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // x [M, K] -> xq [M, K] int8 (and xu = xq + 128 as uint8), dx [M, blocks], sxq [M, blocks]
 // (dx * sum of the block's codes). The AVX-512 path computes the same values: the maximum and
@@ -201,14 +198,14 @@ void tile(const int8_t* xq, const uint8_t* xu, const float* dx, const float* sxq
           std::memcpy(&dh, rec + 256 + 2 * c, 2);
           uint16_t mh;
           std::memcpy(&mh, rec + 288 + 2 * c, 2);
-          mv = f16(mh);
+          mv = half_to_float(mh);
         } else {
           for (int p = 0; p < 8; ++p)
             for (int i = 0; i < 4; ++i)
               isum += static_cast<int8_t>(rec[64 * p + 4 * c + i]) * xg[4 * p + i];
           std::memcpy(&dh, rec + 512 + 2 * c, 2);
         }
-        acc = std::fma(static_cast<float>(isum), f16(dh) * dx[r * blocks + g], acc);
+        acc = std::fma(static_cast<float>(isum), half_to_float(dh) * dx[r * blocks + g], acc);
         if constexpr (!Format::kUnsignedX) acc = std::fma(mv, sxq[r * blocks + g], acc);
       }
       y[r * ldy + c] = acc;

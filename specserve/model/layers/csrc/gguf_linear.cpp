@@ -17,19 +17,11 @@
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-
 #include <cstdint>
 #include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#endif
-
-#if defined(__F16C__)
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 #endif
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
