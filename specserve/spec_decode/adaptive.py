@@ -87,6 +87,7 @@ SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
+CONFIRM_STEPS = 16  # a cost ratio resting on one sample is trusted this long (ratio_curve)
 EXPLORE_MIN = 8  # draft-free proposals a step may try before any cost of its batch is known
 EXPLORE_FACTOR = 2  # ... and at most this many times the largest measured count after that
 MONOTONE_COSTS = True  # a count's cost ratio is at most that of any larger count (ratio_curve)
@@ -109,6 +110,14 @@ class _Samples:
         kept = [(step, v) for step, v in self.values if v <= limit]
         self.values.clear()
         self.values.extend(kept)
+
+    def confirmed(self, step: int, expiry: int, confirm: int) -> list:
+        """live(), except that a lone sample older than `confirm` steps counts for nothing
+        (see StepCosts.ratio_curve)."""
+        values = self.live(step, expiry)
+        if len(values) == 1 and self.values[0][0] < step - confirm:
+            return []
+        return values
 
     def low(self, step: int, expiry: int) -> float | None:
         """The smallest unexpired value: other load on the machine only ever slows a step
@@ -188,7 +197,15 @@ class StepCosts:
         b = batch_bucket(batch_size)
         points = [(0.0, 1.0)]
         for (bucket, _), samples in sorted(self.ratio.items()):
-            values = samples.live(self.step, RATIO_EXPIRY) if bucket == b else None
+            # A count measured only once is believed for CONFIRM_STEPS steps, then measured
+            # again if it could pay. Why: the estimate is the fastest recent sample, and a
+            # count the policy believes dear is not tried again, so one slow sample (the
+            # engine's first verification, 28.7 ms against 7.5 steady for 6 rows of gguf_a8
+            # SmolLM2 at batch 1: first-use costs, right after a prefill) kept "[ngram]"
+            # from speculating for 200 steps, two whole requests of the benchmark. A second
+            # sample confirms a count that is really dear (the minimum of two is robust).
+            values = (samples.confirmed(self.step, RATIO_EXPIRY, CONFIRM_STEPS)
+                      if bucket == b else None)
             if values:
                 points.append((statistics.median(p for p, _ in values),
                                min(r for _, r in values)))
