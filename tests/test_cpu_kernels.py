@@ -184,3 +184,50 @@ def test_run_attention_rejects_bad_input():
         kernels.run_attention(q, k, v, torch.tensor([0, 2]), torch.tensor([9]), 1.0)  # > keys
     with pytest.raises(RuntimeError, match="end at the number of tokens"):
         kernels.run_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([8]), 1.0)
+
+
+def _argmax_cases():
+    """Rows where torch.argmax's rules decide: ties (lowest index), NaN (first NaN wins), +-inf,
+    all -inf (index 0), maxima in the vector part and in the tail, and strided rows."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for cols in (1, 15, 16, 17, 100, 49152):
+        cases.append(torch.randn(3, cols, generator=gen))
+        cases.append(torch.randint(-2, 2, (5, cols), generator=gen).float())  # many ties
+        nan = torch.randn(2, cols, generator=gen)
+        nan[0, cols // 2] = nan[0, -1] = float("nan")
+        nan[1, -1] = float("nan")
+        cases.append(nan)
+        inf = torch.full((2, cols), -float("inf"))
+        inf[1, -1] = float("inf")
+        cases.append(inf)
+        cases.append(torch.randn(4, cols + 3, generator=gen)[:, 1 : cols + 1])  # row stride
+    return cases
+
+
+def test_argmax_rows_equals_torch_argmax():
+    for x in _argmax_cases():
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1)), x.shape
+
+
+def test_logits_argmax_uses_the_kernel_on_the_cpu(monkeypatch):
+    """The greedy head of every CPU step (runner.execute_argmax) goes through the kernel, and a
+    kernel that broke ties the other way would fail the check above: it is asked on ties."""
+    from specserve.model.layers import fused_argmax
+
+    calls = []
+    real = kernels.argmax_rows
+    monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {
+        "argmax_rows": staticmethod(lambda x: calls.append(x.shape) or real(x))})())
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    assert fused_argmax.logits_argmax(x).tolist() == [1]
+    assert calls == [(1, 4)]
+
+
+def test_argmax_rows_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        kernels.argmax_rows(torch.zeros(4))
+    with pytest.raises(RuntimeError, match="empty"):
+        kernels.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.argmax_rows(torch.zeros(4, 2).t())

@@ -1,4 +1,5 @@
-"""Row argmax of logits in two small Triton kernels (the greedy head of a CUDA decode step).
+"""Row argmax of logits in two small Triton kernels (the greedy head of a CUDA decode step); on
+the CPU, the C++ kernel of csrc/argmax.cpp.
 
 Why: torch's argmax over one [1, 128256] row runs as a single block and took 38 us of the
 batch-1 Llama-3-8B decode graph's ~4.2 ms on an H200 (tests/gpu/check_fused_decode.py). Here
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from specserve.model.layers import triton_ops
+from specserve.model.layers import cpu_kernels, triton_ops
 
 #: Module-level switch (A/B timing); off = torch.argmax.
 ENABLED = True
@@ -93,8 +94,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def logits_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> [R] int64 argmax: the Triton kernels on CUDA (switch on), else torch."""
-    if (ENABLED and logits.dim() == 2 and triton_ops.available(logits)
-            and logits.stride(-1) == 1 and -(-logits.shape[1] // BLOCK) <= MAX_BLOCKS):
-        return argmax(logits)
+    """logits [R, V] -> [R] int64 argmax: the Triton kernels on CUDA (switch on), the C++
+    kernel on the CPU (csrc/argmax.cpp: torch's took ~21 us per SmolLM2 row there), else
+    torch."""
+    if ENABLED and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0:
+        if triton_ops.available(logits) and -(-logits.shape[1] // BLOCK) <= MAX_BLOCKS:
+            return argmax(logits)
+        if cpu_kernels.available(logits):
+            return cpu_kernels.load().argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -70,3 +70,6 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
 torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& query_start, const torch::Tensor& seq_lens,
                             double scale);
+
+// argmax.cpp: x [R, V] float32 (rows contiguous) -> [R] int64, torch.argmax's answer per row
+torch::Tensor argmax_rows(const torch::Tensor& x);
