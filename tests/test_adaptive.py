@@ -405,6 +405,31 @@ def test_declined_draft_free_proposals_are_scored_for_free():
     assert evidence.accepted[2, :4].tolist() == [1, 1, 0, 0]
 
 
+def test_first_decode_steps_teach_no_cost():
+    """A sequence's first decode step pays one-time costs (the proposer indexes its prompt, the
+    CPU backend gathers its context): 16-32 ms against 7-8 for a steady verification at batch
+    1 on the CPU. Its time must not become the price of speculation, so it is no pure step;
+    in a batch, one fresh sequence among eight leaves the step pure, two do not."""
+    spec = SpeculativeConfig("ngram", 3, ngram_prompt_lookup_max=2)
+
+    def pure(outputs: list[int]) -> bool:
+        driver = SpeculationDriver(spec, NgramProposer(2, 1), max_model_len=1000,
+                                   spec_max_model_len=1000)
+        driver.adaptive.plan = lambda ids, limits, **kw: [0] * len(ids)
+        scheduled = []
+        for i, n in enumerate(outputs):
+            seq = _fake_seq(i, [5, 6, 7, 8, 5, 6])
+            seq.num_output_tokens = n
+            scheduled.append(SimpleNamespace(seq=seq, num_lookahead=3, num_new_tokens=1))
+        driver.propose(scheduled, scheduled)
+        return driver._step.pure
+
+    assert not pure([1])
+    assert pure([2])
+    assert pure([1] + [5] * 7)
+    assert not pure([1, 1] + [5] * 6)
+
+
 def test_continuation_rate_is_optimistic_until_tried():
     """A sequence that has only proposed one token at a time has never tried a continuation:
     its c is taken as at least its first-proposal rate until it has, or a draft pass that only

@@ -28,6 +28,7 @@ CATCH_UP_MEASURED = 4  # a draft catch-up of more tokens per sequence is not a t
 IDLE_MIN_BATCH = 8
 IDLE_AFTER = 8
 IDLE_LOOK_EVERY = 4
+FRESH_SHARE = 0.25  # a draft-free step with more first decodes teaches no cost (_decodes_only)
 
 
 @dataclass
@@ -56,10 +57,26 @@ class _Plan:
         return {seq_id: k for seq_id, (_, k) in self.ks.items()}
 
 
-def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence]) -> bool:
-    """The step runs only the batch's one-token decodes (no prompt chunks): its time is a
-    decode/verify step's (_Step.pure)."""
-    return batch_size == len(scheduled) and all(s.num_new_tokens == 1 for s in scheduled)
+def _decodes_only(batch_size: int, scheduled: list[ScheduledSequence],
+                  draft_free: bool) -> bool:
+    """The step runs only the batch's one-token decodes (no prompt chunks), and with a
+    draft-free proposer less than FRESH_SHARE of them are a sequence's first: its time is a
+    decode/verify step's (_Step.pure).
+
+    Why the first decodes: a sequence's first decode step also pays its one-time costs (a
+    draft-free proposer indexes its prompt, the CPU attention backend gathers its context),
+    16-32 ms at batch 1 on the CPU against 7-8 ms for a steady verification of 5 proposals
+    (gguf_a8 SmolLM2, suffix decoding). Priced as speculation's cost, that one sample kept a
+    request from speculating for CONFIRM_STEPS steps, most of a copying answer's ~25. In a
+    batch that admits requests all the time a sequence or two is always fresh, and the
+    minimum over a cost's samples absorbs that. (A draft model's first decode step is its
+    catch-up on the prompts, which its cap costs price on their own: batch_cap.py.)"""
+    if batch_size != len(scheduled) or any(s.num_new_tokens != 1 for s in scheduled):
+        return False
+    if not draft_free:
+        return True
+    fresh = sum(s.seq.num_output_tokens == 1 for s in scheduled)
+    return fresh < FRESH_SHARE * batch_size
 
 
 class SpeculationDriver:
@@ -151,7 +168,8 @@ class SpeculationDriver:
                 # clock still advances, so cap measurements still expire and a later batch
                 # tries caps again (else an engine that settled at acceptance 0.5 never
                 # learned that a later batch accepted 0.9: measured, every later run plain).
-                self._step = _Step(len(sampled), 0, _decodes_only(len(sampled), scheduled))
+                self._step = _Step(len(sampled), 0, _decodes_only(len(sampled), scheduled,
+                                                                   not self.proposer.has_probs))
                 self.adaptive.costs.step += 1
                 return proposals, None, None
             self._settled_newest = None  # a sequence joined (or the batch opened): plan again
@@ -159,7 +177,8 @@ class SpeculationDriver:
         if self.adaptive is not None and decoding:
             # Timings of pure decode/verify steps teach the cost model; prompt chunks
             # would blur them (B: decoding sequences, all of them sampling this step).
-            self._step = _Step(len(decoding), 0, _decodes_only(len(decoding), scheduled))
+            self._step = _Step(len(decoding), 0, _decodes_only(len(decoding), scheduled,
+                                                               not self.proposer.has_probs))
         seqs = [s.seq for _, s in decoding]
         if plan is not None and seqs and all(
                 plan.ks.get(seq.seq_id, (-1, 0))[0] == seq.num_tokens for seq in seqs):
