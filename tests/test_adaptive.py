@@ -168,6 +168,26 @@ def test_a_count_measured_once_is_measured_again(monkeypatch):
     assert policy.plan([1], [5]) == [0]  # without the rule: plain for RATIO_EXPIRY steps
 
 
+def test_cost_ratios_are_taken_against_a_typical_plain_step(monkeypatch):
+    """A speculative step's time is one draw of the machine's noise: divided by the fastest of
+    several plain steps it reads dear by that noise's spread, and the policy never tries again
+    what it believes dear. Against the median plain step it does not (plain steps 1.0, 1.5,
+    1.5; one proposal measured at 1.6: 1.07 plain steps, not 1.6)."""
+    def noisy(policy):
+        for seconds in (1.0, 1.5, 1.5):
+            policy.costs.observe(1, 0, PLAIN_SECONDS * seconds, after_spec=False)
+        policy.costs.observe(1, 1, PLAIN_SECONDS * 1.6, after_spec=False)
+        policy.acceptance[1] = [0.12, 0.12]
+        policy.continuation_trials[1] = MIN_CONTINUATION_TRIALS
+        return policy
+
+    typical = noisy(AdaptiveSpeculation(5))
+    assert typical.costs.ratio_curve(1)[1][1] == pytest.approx(1.6 / 1.5)
+    assert typical.plan([1], [1]) == [1]  # 1.12 tokens for 1.07 steps
+    monkeypatch.setattr(adaptive, "TYPICAL_REFERENCE", False)
+    assert noisy(AdaptiveSpeculation(5)).plan([1], [1]) == [0]  # ... for 1.6
+
+
 def test_switch_penalty_is_charged():
     """A plain step right after a speculative one that costs extra (a rebuilt decode cache)
     makes marginal speculation not worth it."""
