@@ -23,7 +23,10 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   emitted token, which dominates on a GPU at large batches) as a function of the batch size B
   and the number of proposals p in it: the plain
   decode time per B, and for speculative steps the ratio t(B, p) / t(B, 0) per (B, p) bucket,
-  each the fastest of its recent samples (other load only ever slows a step down). It also
+  each the fastest of its recent samples (other load only ever slows a step down), a ratio
+  sample taken against the median plain step (StepCosts.observe) and a count measured once
+  measured again after CONFIRM_STEPS (ratio_curve). A step where many sequences decode for
+  the first time teaches nothing (driver._decodes_only: one-time costs per sequence). It also
   measures the extra cost of a plain step right after a speculative one (a CPU backend may
   rebuild decode state then) and charges speculative steps with it, in proportion to how often
   speculation is switched off again. Nothing is assumed about the hardware: on a GPU at small
