@@ -158,11 +158,11 @@ class StepCosts:
         # SAMPLES_KEPT: a ratio sample is one draw of the machine's noise, and over the fastest
         # plain step it reads high by that noise's spread. The cost of a count is then the
         # fastest of its own few samples, against the fastest of many plain ones: on the
-        # shared CI machine (plain steps 7.1-13.9 ms, gguf_a8 SmolLM2) two rows read 1.10-1.18
-        # plain steps against 1.03 measured alone, and "[suffix]" proposed less than paid
-        # (verifying every proposal ran 3 % faster). An estimate that errs high is never
-        # corrected, as the policy does not try what it believes dear; one that errs low is
-        # tried, and measured.
+        # shared CI machine, while loaded (plain steps 7.1-13.9 ms, gguf_a8 SmolLM2), two
+        # rows read 1.10-1.18 plain steps against 1.03 measured alone. An estimate that errs
+        # high is never corrected, as the policy does not try what it believes dear; one that
+        # errs low is tried, and measured. (On a quiet machine the two references gave the
+        # same speed within noise.)
         ref = self._typical_plain(batch_size, t0) if TYPICAL_REFERENCE else t0
         if num_proposals == 0:
             self.after.setdefault(b, _Samples()).add(self.step, seconds / ref)
