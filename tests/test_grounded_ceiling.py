@@ -51,3 +51,14 @@ def test_rule_cost_pays_for_rejected_rows_and_hindsight_never_costs_more():
     assert cost == LINEAR[5] + LINEAR[5] + LINEAR[1]  # t = 0 (4 rejected), 1-5, 6
     assert ceiling.hindsight_cost(rows, LINEAR) <= cost
     assert ceiling.rule_cost(rows, LINEAR, (0, 0, 0, 0, 0)) == 7 * LINEAR[1]  # plain decoding
+
+
+def test_policy_replay_speculates_on_copied_text_and_backs_off_where_nothing_is_accepted():
+    """The replay drives the engine's own policy: on text that copies its input with rows for
+    free it verifies long runs; where no proposal is ever accepted and rows cost half a pass,
+    it stays (nearly) plain. Either way hindsight is never beaten."""
+    copying = [[(4, 5, 5)] * 60]
+    assert ceiling.policy_cost(copying, FREE, 5) < 0.4 * 60
+    assert ceiling.policy_cost(copying, FREE, 5) >= ceiling.hindsight_cost(copying[0], FREE)
+    wrong = [[(1, 5, 0)] * 60]
+    assert ceiling.policy_cost(wrong, LINEAR, 5) <= 1.05 * 60
