@@ -17,8 +17,8 @@ that will be accepted (hindsight: no rejected row is ever paid for), and a searc
 rules "propose j(n) tokens after a match of length n" gives what the best such rule, fitted to
 this very data, reaches; and the engine's own adaptive policy (spec_decode/adaptive.py), replayed
 over the same proposals with these pass costs fed to it as its step times, shows how much of the
-hindsight bound the policy itself leaves, free of this machine's noise. Host work outside the pass is left out: about the same per step with
-and without proposals (0.35-0.5 ms at batch 1 on the CI machine), it is a cost per step that
+hindsight bound the policy itself leaves, free of this machine's noise. Host work outside the
+pass is left out: about the same per step with and without proposals (0.35-0.5 ms at batch 1 on the CI machine), it is a cost per step that
 speculation pays less often, so counting it would raise these bounds, by 1-2 % at that size.
 
     python benchmarks/grounded_ceiling.py [--tokens 128] [--prompts 6] [--quantization gguf_a8]
@@ -124,11 +124,12 @@ def policy_cost(per_prompt: list[list[tuple[int, int, int]]], cost: dict[int, fl
     AdaptiveSpeculation across the prompts (its evidence classes are engine-wide), each step's
     cost fed to it as that step's time (cost x plain_seconds), a request's first step teaching
     nothing (driver._decodes_only), and a declined proposal scored against the text as the
-    driver's shadow scoring does."""
+    driver's shadow scoring does (one at a time: none is taken while one is undecided; it is
+    recorded at once here, when the text decides it there)."""
     policy = AdaptiveSpeculation(k)
     total = 0.0
     for seq_id, rows in enumerate(per_prompt):
-        t, first, last_spec = 0, True, False
+        t, first, last_spec, shadow_until = 0, True, False, 0
         while t < len(rows):
             n, available, accepted = rows[t]
             available = min(available, k, len(rows) - 1 - t)
@@ -142,9 +143,11 @@ def policy_cost(per_prompt: list[list[tuple[int, int, int]]], cost: dict[int, fl
                 policy.costs.observe(1, j, cost[j + 1] * plain_seconds,
                                      after_spec=last_spec and j == 0)
             first, last_spec = False, j > 0
-            if n and available:  # verified, or scored as a shadow
-                proposed = j or available
-                policy.record(seq_id, proposed, min(accepted, proposed), n)
+            if n and available and j:  # verified
+                policy.record(seq_id, j, min(accepted, j), n)
+            elif n and available and t >= shadow_until:  # declined: scored as a shadow
+                policy.record(seq_id, available, min(accepted, available), n)
+                shadow_until = t + min(accepted + 1, available)  # the text decides it there
             t += min(accepted, j) + 1
     return total
 
