@@ -62,3 +62,23 @@ def test_policy_replay_speculates_on_copied_text_and_backs_off_where_nothing_is_
     assert ceiling.policy_cost(copying, FREE, 5) >= ceiling.hindsight_cost(copying[0], FREE)
     wrong = [[(1, 5, 0)] * 60]
     assert ceiling.policy_cost(wrong, LINEAR, 5) <= 1.05 * 60
+
+
+def test_suffix_runs_propose_what_followed_and_count_what_matches():
+    """The "[suffix]" replay: the prompt's tail [1, 2, 3, 4] occurred before, so the proposer
+    continues it (as far as the match length allows, vLLM's max_spec_factor 1.0); the accepted
+    count is the proposal's agreement with the output; and a later request sees an earlier
+    request's output through the global tree."""
+    prompt = [9, 1, 2, 3, 4, 8, 6, 0, 1, 2, 3, 4]
+    output = [8, 6, 0, 5]
+    rows = ceiling.suffix_runs([prompt], [output], k=5)[0]
+    assert rows[0] == (4, 4, 3)  # match 4, proposes 8 6 0 1, the output goes 8 6 0 5
+    assert all(a <= p for _, p, a in rows)
+    second = ceiling.suffix_runs([prompt, [5, 6, 8, 6, 0]], [output, [5]], k=5)[1]
+    assert second[0] == (3, 1, 1)  # "8 6 0" was followed by 5 in the first request's output
+
+
+def test_verifying_every_proposal_whole_pays_for_its_rejected_rows():
+    rows = [(1, 4, 0), (3, 4, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
+    assert ceiling.verify_all_cost(rows, LINEAR) == ceiling.rule_cost(rows, LINEAR, (0, 4, 4, 4, 4))
+    assert ceiling.verify_all_cost(rows, FREE) == 3.0  # steps at t = 0, 1 (emits 5), 6
