@@ -254,10 +254,11 @@ def main() -> None:
                                                                    **quant),
     }
     if not args.no_control:
-        # A second plain engine, built after the speculative ones: what its ratio to the first
-        # shows is the resolution of every other ratio here (two identical engines in one
-        # process differed by up to 2.3 % at chat batch 32 in session 26, the one built first
-        # being faster in both of two A/A runs).
+        # A second plain engine, built after the speculative ones: its ratio to the first is
+        # the resolution of every other ratio here (in session 26 two identical engines in one
+        # process differed by 2.3 % at chat batch 32, and by 4-7 % in a gguf_a8 run; four
+        # identical engines in rotating rounds showed no one consistently faster, so the
+        # spread is the machine's, not where an engine's memory landed).
         engines[CONTROL] = Ours(**quant)
     plain = engines["specserve"]
     if not args.skip_transformers:
