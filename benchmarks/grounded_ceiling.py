@@ -82,6 +82,15 @@ def row_costs(runner, context: int, rounds: int = 7) -> dict[int, float]:
     return {r: min(v) for r, v in samples.items()}
 
 
+def agreement(proposal: list[int], output: list[int], t: int) -> int:
+    """How many of proposal's leading tokens equal output[t:]: what greedy verification at
+    output position t accepts."""
+    a = 0
+    while a < len(proposal) and t + a < len(output) and proposal[a] == output[t + a]:
+        a += 1
+    return a
+
+
 def accepted_runs(prompt: list[int], output: list[int], n_max: int, k: int,
                   oracle: bool) -> list[tuple[int, int, int]]:
     """Per output position t: (matched tail length n, proposal length, accepted tokens) of
@@ -106,10 +115,7 @@ def accepted_runs(prompt: list[int], output: list[int], n_max: int, k: int,
             rows.append((0, k, best))
             continue
         proposal, n = index.match(seq[:pos], k)
-        a = 0
-        while a < len(proposal) and pos + a < len(seq) and proposal[a] == seq[pos + a]:
-            a += 1
-        rows.append((n, len(proposal), a))
+        rows.append((n, len(proposal), agreement(proposal, output, t)))
     return rows
 
 
@@ -130,10 +136,7 @@ def suffix_runs(prompts: list[list[int]], outputs: list[list[int]], k: int
         for t in range(len(output)):
             found = proposer.propose([seq], [k])
             tokens, n = found.token_ids[0], found.match_lengths[0]
-            a = 0
-            while a < len(tokens) and t + a < len(output) and tokens[a] == output[t + a]:
-                a += 1
-            rows.append((n, len(tokens), a))
+            rows.append((n, len(tokens), agreement(tokens, output, t)))
             seq.token_ids.append(output[t])
         seq.status = SequenceStatus.FINISHED_LENGTH
         proposer.free(seq)  # its output joins the global tree
