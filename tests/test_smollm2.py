@@ -43,13 +43,17 @@ def test_default_model_is_smollm2(smol_llm, smollm2_gguf):
 def test_gguf_blocks_are_used_by_default(smol_llm):
     """Every projection reads the file's Q4_1 (layers) or Q8_0 (tied head) blocks, so the
     transformers comparisons below check the block kernels, not the dense float32 path."""
+    from specserve.model.layers import cpu_kernels
+    from specserve.model.layers.quantization import gguf_amx
     from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
 
     model = smol_llm.llm_engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
     assert len(layers) == 30 * 4 + 1
-    assert {m.format_name for m in layers} == {"Q4_1", "Q8_0"}
-    assert model.lm_head.format_name == "Q8_0"
+    # On a CPU with AMX tiles the same blocks are repacked for the AMX kernel (gguf_amx.py).
+    amx = gguf_amx.wanted(cpu_kernels.load())
+    assert {m.format_name for m in layers} == ({"Q4_1+amx", "Q8_0+amx"} if amx else {"Q4_1", "Q8_0"})
+    assert model.lm_head.format_name.removesuffix("+amx") == "Q8_0"
 
 
 def test_chat_greedy_equals_transformers(smol_llm, smol_hf):

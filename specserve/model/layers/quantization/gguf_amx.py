@@ -1,0 +1,92 @@
+"""GGUF blocks repacked for the AMX kernel (csrc/gguf_amx_linear.cpp): the ``gguf`` method's
+float32 products on Intel AMX tiles, where the CPU has them.
+
+Why: the AVX-512 kernel (gguf_linear.cpp) pays 2 float32 FMAs per row of x per 32 weights, so a
+verification pass of 6 rows costs about twice a decode pass and caps what speculation gains on a
+CPU. An AMX tile multiply takes up to 5 rows of x (each split exactly into 3 bfloat16 parts) for
+the price of one, so the rows of a verification cost little beyond the one decode of each block.
+Results are the same float32 model's (see the kernel's header for why the split is exact): a
+different summation order from the AVX-512 kernel, as between any two GEMM kernels.
+
+Layout: the kernel's B tile wants, for 16 output features side by side, pairs of consecutive
+inputs ("VNNI" pairs): tile row kp, word 2n + j = the code of input 2kp + j of weight row n. The
+blocks are repacked once at load into groups of 16 weight rows, [N / 16, K / 32, record], the
+same bytes per weight as the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+LANES = 16  # weight rows per packed group: the float32 columns of a tile
+DISABLE_ENV = "SPECSERVE_AMX"  # "0": keep the AVX-512 kernel even where AMX is there
+
+
+def wanted(kernels) -> bool:
+    """Whether GGUF products should run on AMX tiles: the kernels are built with AMX, Linux
+    granted this process the tile state, and SPECSERVE_AMX is not "0"."""
+    return (kernels is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+            and bool(kernels.amx_ready()))
+
+
+def kernel(kernels, format_name: str, out_features: int
+           ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x [T, K] float32, packed records -> [T, out_features], through the AMX kernel."""
+    fn = getattr(kernels, f"{format_name.lower()}_amx_linear")
+
+    def amx_kernel(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return fn(x, packed, out_features)
+
+    return amx_kernel
+
+
+def _groups(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """[N, K / 32 * block_bytes] -> [N / 16, 16, K / 32, block_bytes] (N a multiple of 16)."""
+    n = blocks.shape[0]
+    if n % LANES:
+        raise ValueError(f"AMX packing needs a multiple of {LANES} output features, got {n}")
+    return blocks.view(n // LANES, LANES, -1, block_bytes)
+
+
+def _tile_rows(codes: torch.Tensor) -> torch.Tensor:
+    """codes [G, 16 rows n, B, 32 inputs] -> [G, B, 16 tile rows kp, 32 words 2n + j]."""
+    g, lanes, b, _ = codes.shape
+    return codes.view(g, lanes, b, 16, 2).permute(0, 2, 3, 1, 4).reshape(g, b, 16, 2 * lanes)
+
+
+def _scales(g: torch.Tensor, offset: int) -> torch.Tensor:
+    """The 16 rows' float16 field at byte offset of each block: [G, B, 32 bytes]."""
+    field = g[..., offset:offset + 2].permute(0, 2, 1, 3)  # [G, B, 16, 2]
+    return field.reshape(*field.shape[:2], 2 * LANES)
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 rows [N, K / 32 * 20] -> records [N / 16, K / 32, 320]: 4 chunks of 32 16-bit
+    words (word w of chunk c = word w of tile rows 4c..4c+3 in its four nibbles, lowest first),
+    16 x f16 d, 16 x f16 m."""
+    g = _groups(blocks, 20)  # [G, 16, B, 20]
+    raw = g[..., 4:]  # [G, 16, B, 16]: byte j holds input j (low nibble), 16 + j (high)
+    codes = torch.cat([raw & 15, raw >> 4], dim=-1)  # [G, 16, B, 32] inputs in order
+    rows = _tile_rows(codes).to(torch.int32)  # [G, B, 16, 32]
+    quads = rows.view(*rows.shape[:2], 4, 4, 32)  # [G, B, chunk, row in chunk, word]
+    words = (quads[:, :, :, 0] | quads[:, :, :, 1] << 4 | quads[:, :, :, 2] << 8
+             | quads[:, :, :, 3] << 12).to(torch.int16)  # [G, B, 4, 32]
+    chunks = words.contiguous().view(torch.uint8)  # [G, B, 4, 64] little-endian words
+    rec = torch.cat([chunks.reshape(*chunks.shape[:2], 256), _scales(g, 0), _scales(g, 2)],
+                    dim=-1)
+    return rec.contiguous()
+
+
+def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows [N, K / 32 * 34] -> records [N / 16, K / 32, 544]: 16 tile rows of 32
+    int8 codes, then 16 x f16 d."""
+    g = _groups(blocks, 34)  # [G, 16, B, 34]
+    rows = _tile_rows(g[..., 2:])  # [G, B, 16, 32]
+    rec = torch.cat([rows.reshape(*rows.shape[:2], 512), _scales(g, 0)], dim=-1)
+    return rec.contiguous()
+
+
+PACKERS = {"Q4_1": pack_q4_1, "Q8_0": pack_q8_0}

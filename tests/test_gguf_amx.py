@@ -1,0 +1,154 @@
+"""GGUF block products on AMX tiles (csrc/gguf_amx_linear.cpp, quantization/gguf_amx.py).
+
+The kernel must give the float32 model's products: a float64 product of the dequantized weights
+to float32 rounding, with x taken exactly (its three bfloat16 parts sum to it; a one-part split
+would fail test_amx_linear_takes_x_exactly); an output's bits must depend only on its own row
+(verification of k + 1 rows equals k + 1 decode steps); and the packers must put every code and
+scale where the kernel reads it. The packers are checked on every machine; the kernel where the
+CPU has AMX (Intel Xeon from Sapphire Rapids on), and skipped, saying so, elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from specserve.model.layers import cpu_kernels
+from specserve.model.layers.quantization import gguf_amx
+
+kernels = cpu_kernels.load()
+HAS_AMX = kernels is not None and bool(kernels.amx_ready())
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its build) has no AMX tiles")
+
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 16, 25, 33]  # 1-5 rows per tile job, 1-7 jobs
+FORMATS = [(QT.Q4_1, "Q4_1"), (QT.Q8_0, "Q8_0")]
+
+
+def _blocks(qtype: QT, out_features: int, in_features: int, seed: int):
+    """(raw GGUF blocks [N, bytes] uint8, dequantized [N, K] float32)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    raw = quantize(w, qtype)
+    return (torch.from_numpy(np.ascontiguousarray(raw)),
+            torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
+
+
+def _tile_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What the kernel's unpack puts in the B tile: [G, B, 16 tile rows, 32 words] codes."""
+    if fmt == "Q4_1":
+        words = packed[..., :256].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        words = words.view(*packed.shape[:2], 4, 32)  # [G, B, chunk, word]
+        rows = [(words >> (4 * i)) & 15 for i in range(4)]  # tile row 4c + i
+        return torch.stack(rows, dim=3).view(*packed.shape[:2], 16, 32)
+    return packed[..., :512].contiguous().view(torch.int8).view(*packed.shape[:2], 16, 32)
+
+
+@pytest.mark.parametrize("qtype,fmt", FORMATS)
+def test_packers_put_every_code_and_scale_where_the_kernel_reads_it(qtype, fmt):
+    """Read back as the kernel does (tile row kp, word 2n + j = code of input 2kp + j of weight
+    row n), the records must give the dequantized weights exactly."""
+    raw, dense = _blocks(qtype, 32, 96, seed=7)
+    packed = gguf_amx.PACKERS[fmt](raw)  # [G, B, record]
+    g, b = packed.shape[:2]
+    assert (g, b) == (2, 3) and packed.dtype == torch.uint8
+    codes = _tile_codes(packed, fmt).to(torch.float32)  # [G, B, kp, 2n + j]
+    codes = codes.view(g, b, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(g * 16, b, 32)  # [N, B, k]
+    scales = 256 if fmt == "Q4_1" else 512
+    d = packed[..., scales:scales + 32].contiguous().view(torch.float16).float()  # [G, B, 16]
+    d = d.permute(0, 2, 1).reshape(g * 16, b, 1)
+    w = codes * d
+    if fmt == "Q4_1":
+        m = packed[..., 288:320].contiguous().view(torch.float16).float()
+        w = w + m.permute(0, 2, 1).reshape(g * 16, b, 1)
+    assert torch.equal(w.view(g * 16, -1), dense)
+
+
+def test_packers_need_whole_groups_of_16_rows():
+    raw, _ = _blocks(QT.Q4_1, 24, 64, seed=0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gguf_amx.pack_q4_1(raw)
+
+
+def amx(fmt: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    return getattr(kernels, f"{fmt.lower()}_amx_linear")(x, gguf_amx.PACKERS[fmt](raw),
+                                                          raw.shape[0])
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype,fmt", FORMATS)
+@pytest.mark.parametrize("out_features", [16, 48])  # one group, several (threads split them)
+def test_amx_linear_equals_dequantized_matmul(qtype, fmt, out_features):
+    raw, dense = _blocks(qtype, out_features, 96, seed=out_features)
+    gen = torch.Generator().manual_seed(1)
+    for rows in [0, *ROW_COUNTS]:
+        x = torch.randn(rows, 96, generator=gen)
+        got = amx(fmt, x, raw)  # [rows, N]
+        ref = x.double() @ dense.double().t()
+        scale = x.abs().double() @ dense.abs().double().t()  # bound on the rounding
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), rows
+
+
+@needs_amx
+def test_amx_linear_takes_x_exactly():
+    """Weights that pick one input each (Q8_0, d = 1, one code 1 per row): y must be x's values
+    bit for bit, which needs all 24 bits of each x (one bfloat16 part keeps 8, two keep 16)."""
+    n, k = 32, 64
+    blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    pick = torch.randperm(k, generator=torch.Generator().manual_seed(3))[:n]
+    for row, col in enumerate(pick.tolist()):
+        blocks[row, col // 32, 2 + col % 32] = 1
+    raw = torch.from_numpy(blocks.reshape(n, -1))
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 3, k)
+    assert torch.equal(amx("Q8_0", x, raw), x[:, pick])
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype,fmt", FORMATS)
+def test_amx_linear_bits_depend_only_on_the_row(qtype, fmt):
+    """Each row alone gives the same bits as inside any batch: the tile jobs' row groups change
+    with the row count (6 rows: 2 jobs of 3), never an output's summation order."""
+    raw, _ = _blocks(qtype, 48, 128, seed=5)
+    x = torch.randn(33, 128, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([amx(fmt, x[i:i + 1], raw) for i in range(33)])
+    for rows in ROW_COUNTS:
+        assert torch.equal(amx(fmt, x[:rows], raw), alone[:rows]), rows
+    assert torch.equal(amx(fmt, x[5:11], raw), alone[5:11])
+
+
+@needs_amx
+def test_amx_linear_wrong_code_would_fail():
+    """Power check: the tolerance above sees a one-code error in one block."""
+    raw, dense = _blocks(QT.Q4_1, 16, 64, seed=3)
+    broken = raw.clone()
+    broken[5, 4 + 3] ^= 1  # one 4-bit code of row 5, block 0
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    got = amx("Q4_1", x, broken)
+    ref = x.double() @ dense.double().t()
+    scale = x.abs().double() @ dense.abs().double().t()
+    assert not ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all()
+
+
+@needs_amx
+def test_amx_linear_rejects_bad_shapes():
+    raw, _ = _blocks(QT.Q4_1, 16, 64, seed=0)
+    packed = gguf_amx.pack_q4_1(raw)
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernels.q4_1_amx_linear(torch.randn(2, 96), packed, 16)
+    with pytest.raises(RuntimeError, match="groups"):
+        kernels.q4_1_amx_linear(torch.randn(2, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.q4_1_amx_linear(torch.randn(2, 64, dtype=torch.float64), packed, 16)
+
+
+def test_amx_switch(monkeypatch):
+    """SPECSERVE_AMX=0 keeps the AVX-512 kernel; otherwise AMX is used exactly where it runs."""
+    monkeypatch.setenv(gguf_amx.DISABLE_ENV, "0")
+    assert not gguf_amx.wanted(kernels)
+    monkeypatch.delenv(gguf_amx.DISABLE_ENV)
+    assert gguf_amx.wanted(kernels) == HAS_AMX
+    assert not gguf_amx.wanted(None)
