@@ -815,8 +815,8 @@ def settled_ab(llm, driver, adaptive, replay, prompts: list[list[int]], new_toke
 def decode_ahead_ab(llm: LLM, prompt_sets: dict[int, list[list[int]]], new_tokens: int,
                     reps: int = 5) -> list[str]:
     """Plain greedy decoding three ways in one engine: the next pass queued before a step's
-    read and fed on the device (decode_ahead_unread, off by default until this measures it),
-    launched right after the read (decode_ahead_enabled only, the default on CUDA), and not
+    read and fed on the device (decode_ahead_unread, on by default since session 27 measured it),
+    launched right after the read (decode_ahead_enabled only, the default until session 27), and not
     ahead; `reps` rounds per batch size, the order
     rotating, the outputs compared (launching ahead must change no token)."""
     engine = llm.llm_engine

@@ -150,11 +150,12 @@ class LLMEngine:
         self.decode_ahead_enabled = self.device.type == "cuda"
         # ... where the plan needs nothing this step's read says (no speculation, or settled
         # on plain decoding), queued before that read and fed with its tokens on the device.
-        # Off until measured: its first form, whose read waited for the pass queued after it,
-        # was 0.82x at batch 32 and 0.97x at batch 1 on the H200 (BENCHMARKS.md, session 23);
-        # the read now waits on an event recorded before that pass (transfer.PendingRead).
-        # `bench_gpu_spec.py --decode-ahead-ab` times it against launching after the read.
-        self.decode_ahead_unread = False
+        # Its first form, whose read waited for the pass queued after it, was 0.82x at batch 32
+        # and 0.97x at batch 1 on the H200 (BENCHMARKS.md, session 23); the read now waits on an
+        # event recorded before that pass (transfer.PendingRead), and `bench_gpu_spec.py
+        # --decode-ahead-ab` measured it 1.071x (batch 1) and 1.052x (batch 32) against
+        # launching after the read, every round above 1 (H100, session 27). So it is on.
+        self.decode_ahead_unread = True
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         logger.info("engine ready in %.2fs: %s, %s on %s, max_model_len=%d",
