@@ -6,10 +6,24 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specserve import LLM
+
+
+def gguf_blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights quantized by gguf: (raw blocks [N, K / 32 * block bytes] uint8, the
+    dequantized [N, K] float32 values the loader would build)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    raw = quantize(w, qtype)
+    dense = dequantize(raw, qtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dense.astype(np.float32))
 
 
 def hf_model(path: Path, **kwargs):

@@ -8,11 +8,10 @@ RMSNorm op sequence.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from helpers import gguf_blocks
 
 from specserve.model.layers import cpu_kernels
 from specserve.model.layers.norm import RMSNorm
@@ -24,19 +23,10 @@ pytestmark = pytest.mark.skipif(
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17]  # tiles of 1/2/3/4 rows and their remainders
 
 
-def _blocks(qtype: QT, out_features: int, in_features: int, seed: int):
-    """Random weights quantized by gguf: (raw blocks [N, bytes] uint8, dequantized [N, K] f32)."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
-    raw = quantize(w, qtype)  # [N, K / 32 * block bytes]
-    dense = dequantize(raw, qtype)  # the float32 values the loader would build
-    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dense.astype(np.float32))
-
-
 @pytest.mark.parametrize("qtype,kernel", [(QT.Q4_1, "q4_1_linear"), (QT.Q8_0, "q8_0_linear")])
 @pytest.mark.parametrize("out_features", [7, 64, 131])  # below, at and past a parallel chunk
 def test_block_linear_equals_dequantized_matmul(qtype, kernel, out_features):
-    raw, dense = _blocks(qtype, out_features, 96, seed=out_features)
+    raw, dense = gguf_blocks(qtype, out_features, 96, seed=out_features)
     fn = getattr(kernels, kernel)
     gen = torch.Generator().manual_seed(1)
     for rows in ROW_COUNTS:
@@ -55,7 +45,7 @@ def test_block_linear_bits_do_not_depend_on_the_column_tiling(qtype, kernel):
     weight row gives the same bits whether it sits in a full group of columns or in a panel's
     tail (a slice of the matrix moves it there). So retuning the columns per tile, or cutting
     a matrix into shards, never changes a model's outputs."""
-    raw, _ = _blocks(qtype, 96, 96, seed=4)
+    raw, _ = gguf_blocks(qtype, 96, 96, seed=4)
     fn = getattr(kernels, kernel)
     gen = torch.Generator().manual_seed(5)
     for rows in ROW_COUNTS:
@@ -65,7 +55,7 @@ def test_block_linear_bits_do_not_depend_on_the_column_tiling(qtype, kernel):
             assert torch.equal(fn(x, raw[:n].contiguous()), whole[:, :n]), (rows, n)
 
 def test_block_linear_rejects_bad_shapes():
-    raw, _ = _blocks(QT.Q4_1, 8, 64, seed=0)
+    raw, _ = gguf_blocks(QT.Q4_1, 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="wrong number of bytes"):
         kernels.q4_1_linear(torch.randn(2, 96), raw)
     with pytest.raises(RuntimeError, match="float32"):
@@ -74,7 +64,7 @@ def test_block_linear_rejects_bad_shapes():
 
 def test_block_linear_wrong_decoding_would_fail():
     """Power check: the tolerance above is tight enough to see a one-code error in one block."""
-    raw, dense = _blocks(QT.Q4_1, 16, 64, seed=3)
+    raw, dense = gguf_blocks(QT.Q4_1, 16, 64, seed=3)
     broken = raw.clone()
     broken[5, 4 + 3] ^= 1  # one 4-bit code of row 5, block 0
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))

@@ -10,11 +10,10 @@ difference) while speculation over it stays exactly lossless.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from helpers import gguf_blocks
 
 from specserve.model.layers import cpu_kernels
 from specserve.model.layers.quantization.gguf_a8 import PACKERS
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17]  # every tile size and remainders
 FORMATS = [(QT.Q4_1, "Q4_1"), (QT.Q8_0, "Q8_0")]
-
-
-def _blocks(qtype: QT, out_features: int, in_features: int, seed: int):
-    """(raw GGUF blocks [N, bytes] uint8, dequantized [N, K] float32)."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
-    raw = quantize(w, qtype)
-    return (torch.from_numpy(np.ascontiguousarray(raw)),
-            torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +42,7 @@ def a8(fmt: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype,fmt", FORMATS)
 @pytest.mark.parametrize("out_features", [7, 16, 48, 131])  # a part group, whole groups, tails
 def test_a8_linear_equals_dequantized_times_rounded_x(qtype, fmt, out_features):
-    raw, dense = _blocks(qtype, out_features, 96, seed=out_features)
+    raw, dense = gguf_blocks(qtype, out_features, 96, seed=out_features)
     gen = torch.Generator().manual_seed(1)
     for rows in ROW_COUNTS:
         x = torch.randn(rows, 96, generator=gen)
@@ -73,7 +63,7 @@ def test_a8_linear_bits_depend_only_on_the_row(qtype, fmt):
     """Each row of x is rounded on its own and accumulated in block order, whatever tile,
     thread or batch it lands in: a verification pass of r rows gives each row the bits a
     1-row pass gives it."""
-    raw, _ = _blocks(qtype, 131, 96, seed=4)
+    raw, _ = gguf_blocks(qtype, 131, 96, seed=4)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(20, 96, generator=gen) * torch.logspace(-2, 2, 20)[:, None]
     alone = torch.cat([a8(fmt, x[i:i + 1], raw) for i in range(20)])
@@ -83,7 +73,7 @@ def test_a8_linear_bits_depend_only_on_the_row(qtype, fmt):
 
 def test_a8_linear_wrong_code_would_fail():
     """Power check: the tolerance sees a one-code error in one weight block."""
-    raw, dense = _blocks(QT.Q4_1, 16, 64, seed=3)
+    raw, dense = gguf_blocks(QT.Q4_1, 16, 64, seed=3)
     broken = raw.clone()
     broken[5, 4 + 3] ^= 1
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
@@ -95,7 +85,7 @@ def test_a8_linear_wrong_code_would_fail():
 
 
 def test_a8_linear_rejects_bad_shapes():
-    raw, _ = _blocks(QT.Q4_1, 20, 64, seed=0)
+    raw, _ = gguf_blocks(QT.Q4_1, 20, 64, seed=0)
     packed = PACKERS["Q4_1"](raw)  # [2 groups, 2 blocks, 320]
     with pytest.raises(RuntimeError, match="packed shape"):
         kernels.q4_1_a8_linear(torch.randn(2, 96), packed, 20)
@@ -214,7 +204,7 @@ def test_portable_path_gives_the_vnni_bits(tmp_path):
                     extra_ldflags=["-fopenmp"])
     gen = torch.Generator().manual_seed(9)
     for qtype, fmt in FORMATS:
-        raw, _ = _blocks(qtype, 131, 192, seed=3)
+        raw, _ = gguf_blocks(qtype, 131, 192, seed=3)
         packed = PACKERS[fmt](raw)
         x = torch.randn(9, 192, generator=gen) * torch.logspace(-3, 2, 9)[:, None]
         x[1, :32] = 0.0

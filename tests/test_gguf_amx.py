@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from helpers import gguf_blocks
 
 from specserve.model.layers import cpu_kernels
 from specserve.model.layers.quantization import gguf_amx
@@ -25,15 +25,6 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its build) has 
 
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 16, 25, 33]  # 1-5 rows per tile job, 1-7 jobs
 FORMATS = [(QT.Q4_1, "Q4_1"), (QT.Q8_0, "Q8_0")]
-
-
-def _blocks(qtype: QT, out_features: int, in_features: int, seed: int):
-    """(raw GGUF blocks [N, bytes] uint8, dequantized [N, K] float32)."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
-    raw = quantize(w, qtype)
-    return (torch.from_numpy(np.ascontiguousarray(raw)),
-            torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
 
 
 def _tile_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -50,7 +41,7 @@ def _tile_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_packers_put_every_code_and_scale_where_the_kernel_reads_it(qtype, fmt):
     """Read back as the kernel does (tile row kp, word 2n + j = code of input 2kp + j of weight
     row n), the records must give the dequantized weights exactly."""
-    raw, dense = _blocks(qtype, 32, 96, seed=7)
+    raw, dense = gguf_blocks(qtype, 32, 96, seed=7)
     packed = gguf_amx.PACKERS[fmt](raw)  # [G, B, record]
     g, b = packed.shape[:2]
     assert (g, b) == (2, 3) and packed.dtype == torch.uint8
@@ -67,7 +58,7 @@ def test_packers_put_every_code_and_scale_where_the_kernel_reads_it(qtype, fmt):
 
 
 def test_packers_need_whole_groups_of_16_rows():
-    raw, _ = _blocks(QT.Q4_1, 24, 64, seed=0)
+    raw, _ = gguf_blocks(QT.Q4_1, 24, 64, seed=0)
     with pytest.raises(ValueError, match="multiple of 16"):
         gguf_amx.pack_q4_1(raw)
 
@@ -81,7 +72,7 @@ def amx(fmt: str, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype,fmt", FORMATS)
 @pytest.mark.parametrize("out_features", [16, 48])  # one group, several (threads split them)
 def test_amx_linear_equals_dequantized_matmul(qtype, fmt, out_features):
-    raw, dense = _blocks(qtype, out_features, 96, seed=out_features)
+    raw, dense = gguf_blocks(qtype, out_features, 96, seed=out_features)
     gen = torch.Generator().manual_seed(1)
     for rows in [0, *ROW_COUNTS]:
         x = torch.randn(rows, 96, generator=gen)
@@ -112,7 +103,7 @@ def test_amx_linear_takes_x_exactly():
 def test_amx_linear_bits_depend_only_on_the_row(qtype, fmt):
     """Each row alone gives the same bits as inside any batch: the tile jobs' row groups change
     with the row count (6 rows: 2 jobs of 3), never an output's summation order."""
-    raw, _ = _blocks(qtype, 48, 128, seed=5)
+    raw, _ = gguf_blocks(qtype, 48, 128, seed=5)
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([amx(fmt, x[i:i + 1], raw) for i in range(33)])
     for rows in ROW_COUNTS:
@@ -123,7 +114,7 @@ def test_amx_linear_bits_depend_only_on_the_row(qtype, fmt):
 @needs_amx
 def test_amx_linear_wrong_code_would_fail():
     """Power check: the tolerance above sees a one-code error in one block."""
-    raw, dense = _blocks(QT.Q4_1, 16, 64, seed=3)
+    raw, dense = gguf_blocks(QT.Q4_1, 16, 64, seed=3)
     broken = raw.clone()
     broken[5, 4 + 3] ^= 1  # one 4-bit code of row 5, block 0
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
@@ -135,7 +126,7 @@ def test_amx_linear_wrong_code_would_fail():
 
 @needs_amx
 def test_amx_linear_rejects_bad_shapes():
-    raw, _ = _blocks(QT.Q4_1, 16, 64, seed=0)
+    raw, _ = gguf_blocks(QT.Q4_1, 16, 64, seed=0)
     packed = gguf_amx.pack_q4_1(raw)
     with pytest.raises(RuntimeError, match="do not match"):
         kernels.q4_1_amx_linear(torch.randn(2, 96), packed, 16)
