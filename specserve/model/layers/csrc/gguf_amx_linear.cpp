@@ -46,6 +46,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__linux__)
@@ -98,7 +99,7 @@ TileConfig make_config(int rows_per_group) {
 }
 
 // x [M, K] -> parts [blocks, M_pad, 3, 32] bfloat16 (a block's rows as consecutive tile rows; rows
-// past M stay zero) and sums [M, blocks] (float32 sum of each block of x, always in one order).
+// past M zero) and sums [M, blocks] (float32 sum of each block of x, always in one order).
 void split_rows(const float* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* parts, float* sums) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
@@ -122,6 +123,9 @@ void split_rows(const float* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* p
       }
     }
   });
+  for (int64_t b = 0; b < blocks; ++b)  // the padding rows of each block's last tile job
+    std::memset(parts + (b * m_pad + m) * kParts * kBlock, 0,
+                static_cast<size_t>((m_pad - m) * kParts * kBlock) * sizeof(uint16_t));
 }
 
 struct Q41Amx {
@@ -289,16 +293,17 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const int64_t jobs_per_block = (m + kRowsPerTile - 1) / kRowsPerTile;
   const int rows = static_cast<int>((m + jobs_per_block - 1) / jobs_per_block);
   const int64_t m_pad = jobs_per_block * rows;
-  std::vector<uint16_t> parts(static_cast<size_t>(blocks * m_pad * kParts * kBlock), 0);
+  // (not zeroed here: split_rows writes every row, and zeroes the padding rows)
+  std::unique_ptr<uint16_t[]> parts(new uint16_t[static_cast<size_t>(blocks * m_pad * kParts * kBlock)]);
   std::vector<float> sums(static_cast<size_t>(m * blocks));
-  split_rows(xc.data_ptr<float>(), m, m_pad, k, parts.data(), sums.data());
+  split_rows(xc.data_ptr<float>(), m, m_pad, k, parts.get(), sums.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const TileConfig cfg = make_config(rows);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     _tile_loadconfig(&cfg);
     std::vector<__m512> acc(static_cast<size_t>(m_pad));
-    const uint16_t* pp = parts.data();
+    const uint16_t* pp = parts.get();
     const float* sp = sums.data();
     const int64_t t = jobs_per_block;
     switch (rows) {
