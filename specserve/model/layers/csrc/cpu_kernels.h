@@ -49,7 +49,7 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 torch::Tensor q8_0_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 
-// gguf_amx_linear.cpp: x [M, K] float32 @ GGUF blocks packed by quantization/gguf_blocks.py
+// gguf_amx_linear.cpp: x [M, K] float32 @ GGUF blocks packed by quantization/gguf_amx.py
 // [N / 16, K / 32, record]^T -> [M, N] on AMX tiles (float32 results); amx_ready() says whether
 // this build has them and the OS granted their state to this process
 bool amx_ready();

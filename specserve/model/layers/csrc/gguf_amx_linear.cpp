@@ -5,7 +5,7 @@
 // 32 weights, so past a few rows it is bound by FMAs (a batch-32 decode step, a prompt, a long
 // verification). An AMX tile multiply (TDPBF16PS) does up to 16 x 16 x 32 bfloat16 products into
 // float32 in ~16 cycles. Measured on a 2-core Xeon over SmolLM2's 121 matrices (weights from
-// DRAM): 1 row 1.04-1.07x the AVX-512 kernel, 2-4 rows 1.06-1.16x, 6 rows 0.95-0.97x, 9-32 rows
+// DRAM): 1 row 1.04-1.07x the AVX-512 kernel, 2-4 rows 1.06-1.16x, 6 rows 0.95-0.99x, 9-32 rows
 // 1.26-1.8x (BENCHMARKS.md "CPU, session 27").
 //
 // Exactness: AMX multiplies bfloat16 (8 significant bits). Split, everything stays exact:
@@ -170,7 +170,6 @@ __m512i code_table() {
   return _mm512_load_si512(t);
 }
 
-// acc[r] += d * ((C[3r] + C[3r + 1]) + C[3r + 2]) + m * S[r] for the rows of one tile.
 // Every cache line of the record kPrefetchRecords ahead (a record spans 5 or 9 lines; the
 // hardware prefetcher alone left the tile unit waiting on DRAM).
 constexpr int64_t kPrefetchRecords = 8;

@@ -1,10 +1,12 @@
 """GGUF blocks repacked for the AMX kernel (csrc/gguf_amx_linear.cpp): the ``gguf`` method's
 float32 products on Intel AMX tiles, where the CPU has them.
 
-Why: the AVX-512 kernel (gguf_linear.cpp) pays 2 float32 FMAs per row of x per 32 weights, so a
-verification pass of 6 rows costs about twice a decode pass and caps what speculation gains on a
-CPU. An AMX tile multiply takes up to 5 rows of x (each split exactly into 3 bfloat16 parts) for
-the price of one, so the rows of a verification cost little beyond the one decode of each block.
+Why: the AVX-512 kernel (gguf_linear.cpp) pays 2 float32 FMAs per row of x per 32 weights, so
+past a few rows it is bound by FMAs (batch-32 decoding, long verifications, prompts). An AMX
+tile multiply takes up to 5 rows of x (each split exactly into 3 bfloat16 parts) for the price of
+one; what remains per block is decoding it and folding each job's sums (its scales differ per
+output). Measured on a 2-core Xeon: about the AVX-512 kernel's cost at 1-6 rows, 1.3-1.8x less at
+9-32 (BENCHMARKS.md "CPU, session 27").
 Results are the same float32 model's (see the kernel's header for why the split is exact): a
 different summation order from the AVX-512 kernel, as between any two GEMM kernels.
 

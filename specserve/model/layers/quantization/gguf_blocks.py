@@ -14,7 +14,7 @@ transformers).
 AMX: on a CPU with AMX tiles (Intel Xeon from Sapphire Rapids on) the blocks are repacked once
 at load for csrc/gguf_amx_linear.cpp (gguf_amx.py), which gives the same float32 model's
 products with x split exactly into bfloat16 parts: on a 2-core Xeon 1.04-1.16x the AVX-512
-kernel at 1-4 rows, 0.95-0.97x at 6, 1.3-1.8x at 9-32 (batch-32 decoding, long verifications,
+kernel at 1-4 rows, 0.95-0.99x at 6, 1.3-1.8x at 9-32 (batch-32 decoding, long verifications,
 prompts). ``SPECSERVE_AMX=0`` keeps the AVX-512 kernel. The choice is made once per layer, never
 per row count, so a row's bits never depend on its batch.
 
