@@ -231,7 +231,14 @@ def main() -> None:
     parser.add_argument("--quantization", default=None,
                         help="LLM(quantization=...) for every specserve engine, e.g. gguf_a8 "
                              "(8-bit activations: its tokens then differ from transformers')")
+    parser.add_argument("--num-speculative-tokens", type=int, default=NUM_SPECULATIVE_TOKENS,
+                        help='k of the "[ngram]" and "[suffix]" k engines')
+    parser.add_argument("--matmul-precision", default="highest",
+                        choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision before loading (on AMX CPUs: "
+                             "x as 3 / 2 / 1 bfloat16 parts, see quantization/gguf_amx.py)")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     n1 = QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS
     batch = QUICK_BATCH if args.quick else BATCH
@@ -240,7 +247,7 @@ def main() -> None:
     t_start = time.perf_counter()
 
     edit_texts = humaneval_edit_prompts(max(batch, n1))
-    k = NUM_SPECULATIVE_TOKENS
+    k = args.num_speculative_tokens
     quant = {} if args.quantization is None else {"quantization": args.quantization}
     engines: dict = {
         "specserve": Ours(**quant),
@@ -280,7 +287,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; up to {new_tokens} new "
           f"tokens, greedy, EOS respected; batch 1: {n1} prompts per set; batch {batch}; "
           f"transformers prompt lookup: prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}; "
-          f"specserve quantization: {args.quantization or 'default (gguf, float32)'}; "
+          f"specserve quantization: {args.quantization or 'default (gguf, float32)'}, float32 "
+          f"matmul precision {args.matmul_precision}; "
           f"models loaded in {time.perf_counter() - t_start:.0f} s; heap frozen: {frozen} "
           "objects")
     pressure = cpu_pressure()

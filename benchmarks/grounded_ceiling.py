@@ -217,8 +217,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None,
                     help="as LLM(quantization=...): gguf_a8 for 8-bit activations")
+    ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                    help="torch.set_float32_matmul_precision before loading (AMX: bfloat16 parts "
+                         "of x, see quantization/gguf_amx.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
 
     plain = Ours() if args.quantization is None else Ours(quantization=args.quantization)
     prompts = [plain.chat_ids(text) for text in humaneval_edit_prompts(args.prompts)]
@@ -227,7 +231,9 @@ def main() -> None:
     seconds = row_costs(plain.llm.llm_engine.runner, context)
     cost = {r: s / seconds[1] for r, s in seconds.items()}
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {args.threads} "
-          f"threads, quantization {args.quantization or 'default'}; {len(prompts)} grounded prompts, {sum(map(len, outputs))} output tokens")
+          f"threads, quantization {args.quantization or 'default'}, float32 matmul precision "
+          f"{args.matmul_precision}; {len(prompts)} grounded prompts, "
+          f"{sum(map(len, outputs))} output tokens")
     print(f"\ntarget pass by rows (one sequence, context {context}; 1 row = "
           f"{1e3 * seconds[1]:.2f} ms):")
     print("| rows | " + " | ".join(str(r) for r in cost) + " |")
@@ -260,8 +266,10 @@ def main() -> None:
     speedup = plain_cost / sum(rule_cost(r, cost, (0, *best)) for r in recent)
     print(f"\nbest static rule fitted to this data (k <= {k}): propose {best} tokens after a "
           f"match of length 1..{args.ngram_max}: {speedup:.3f}x")
-    replayed = plain_cost / policy_cost(recent_by_k[5], cost, 5)
-    print(f"the engine's adaptive policy replayed on these proposals (k = 5): {replayed:.3f}x")
+    for k in (5, 8):
+        replayed = plain_cost / policy_cost(recent_by_k[k], cost, k)
+        print(f"the engine's adaptive policy replayed on these proposals (k = {k}): "
+              f"{replayed:.3f}x")
 
     print('\n"[suffix]" proposals (vLLM\'s default options), the same output:\n')
     print("| k | hindsight | verify every proposal whole | adaptive policy replayed |")

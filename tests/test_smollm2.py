@@ -118,3 +118,48 @@ def test_speculative_greedy_equals_plain(smol_llm, smol_truncated_draft, draft):
         assert stats["draft_acceptance_rate"] == 1.0
     else:
         assert 0.0 < stats["draft_acceptance_rate"] < 1.0
+
+
+GROUNDED = ("Repeat this text exactly, nothing else:\n\nThe quick brown fox jumps over the lazy "
+            "dog. Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!")
+
+
+def _amx_in_use() -> bool:
+    from specserve.model.layers import cpu_kernels
+    from specserve.model.layers.quantization import gguf_amx
+
+    return gguf_amx.wanted(cpu_kernels.load())
+
+
+@pytest.mark.skipif(not _amx_in_use(), reason="the matmul precision only changes the AMX kernel, "
+                    "and this CPU (or its build) has no AMX tiles")
+@pytest.mark.parametrize("precision,suffix,k", [("high", "+amx/bf16x2", 7),
+                                                ("medium", "+amx/bf16", 15)])
+def test_lower_matmul_precision_keeps_speculation_lossless(precision, suffix, k):
+    """Under torch.set_float32_matmul_precision("high" / "medium") the AMX kernel takes x as 2
+    / 1 bfloat16 parts, 8 / 16 rows per tile job: verifying k proposals (one job) must still
+    give plain decoding's tokens at that setting, alone and beside a chat request."""
+    from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:  # the layers read it at load
+        plain_llm = LLM(device="cpu", max_model_len=2048)
+        spec_llm = LLM(device="cpu", max_model_len=2048, speculative_model="[ngram]",
+                       num_speculative_tokens=k, ngram_prompt_lookup_max=4,
+                       speculative_adaptive=False)  # every match verifies k proposals
+    finally:
+        torch.set_float32_matmul_precision(before)
+    layers = [m for m in spec_llm.llm_engine.runner.model.modules()
+              if isinstance(m, GGUFBlockLinear)]
+    assert {m.format_name for m in layers} == {"Q4_1" + suffix, "Q8_0" + suffix}
+    prompts = [plain_llm.apply_chat_template([{"role": "user", "content": p}])
+               for p in (GROUNDED, CHAT_PROMPTS[1])]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    alone = spec_llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = spec_llm.get_metrics()["spec_decode"]
+    assert stats["mean_acceptance_length"] > 2.5, stats
+    assert stats["drafted_per_position"][-1] > 0, stats  # steps verified k proposals: one job
+    both = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert alone == plain[0] and both == plain

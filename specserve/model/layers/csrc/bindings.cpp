@@ -10,9 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] f32, rounded to 8 bits per block, @ packed Q8_0 [N/16, K/32, 576] -> [M, N]");
   m.def("amx_ready", &amx_ready, "whether the AMX kernels can run in this process");
   m.def("q4_1_amx_linear", &q4_1_amx_linear,
-        "x [M, K] f32 @ Q4_1 packed for AMX [N/16, K/32, 320] -> [M, N] (float32 results)");
+        "x [M, K] f32 (as `parts` bfloat16 parts; 3: exact) @ Q4_1 packed for AMX "
+        "[N/16, K/32, 320] -> [M, N] (float32 results)",
+        py::arg("x"), py::arg("w"), py::arg("n"), py::arg("parts") = 3);
   m.def("q8_0_amx_linear", &q8_0_amx_linear,
-        "x [M, K] f32 @ Q8_0 packed for AMX [N/16, K/32, 544] -> [M, N] (float32 results)");
+        "x [M, K] f32 (as `parts` bfloat16 parts; 3: exact) @ Q8_0 packed for AMX "
+        "[N/16, K/32, 544] -> [M, N] (float32 results)",
+        py::arg("x"), py::arg("w"), py::arg("n"), py::arg("parts") = 3);
   m.def("rms_norm", &rms_norm, "x [T, H] f32 -> weight * x / rms(x), per row");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual) -> (rms_norm(x + residual), x + residual)");
   m.def("rope_write_kv", &rope_write_kv,

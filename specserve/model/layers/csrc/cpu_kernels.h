@@ -50,11 +50,14 @@ torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int
 torch::Tensor q8_0_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 
 // gguf_amx_linear.cpp: x [M, K] float32 @ GGUF blocks packed by quantization/gguf_amx.py
-// [N / 16, K / 32, record]^T -> [M, N] on AMX tiles (float32 results); amx_ready() says whether
-// this build has them and the OS granted their state to this process
+// [N / 16, K / 32, record]^T -> [M, N] on AMX tiles (float32 results), x taken as `parts`
+// bfloat16 parts (3: exactly); amx_ready() says whether this build has them and the OS granted
+// their state to this process
 bool amx_ready();
-torch::Tensor q4_1_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
-torch::Tensor q8_0_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+torch::Tensor q4_1_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
+                              int64_t parts);
+torch::Tensor q8_0_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
+                              int64_t parts);
 
 // rms_norm.cpp: float32 RMSNorm rows, and the residual add fused in front of it
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

@@ -19,10 +19,16 @@
 // products up to summation order (and the rounding of d * q + m, which this never does), as any
 // two GEMM kernels differ.
 //
+// Fewer parts (torch.get_float32_matmul_precision() "high": 2, "medium": 1; see
+// quantization/gguf_amx.py) keep only the first one or two: the codes' terms then take x to ~16
+// or 8 significant bits, while S stays the exact float32 sum of x. They exist for speed: a tile
+// job holds 8 or 16 rows instead of 5, so a verification of up to 8 or 16 tokens costs one job.
+//
 // Bits: every output is, block after block in order,
 //   P = (C[x1] + C[x2]) + C[x3]        C[xi] = the tile's float32 sum of the block's q * xi
 //   acc = fma(P, d, acc); acc = fma(m, S, acc)
-// The parts of up to 5 rows of x are stacked as the 15 rows of one tile job; a tile row's sums
+// (fewer parts: P = C[x1] + C[x2], or C[x1]). The parts of up to 5 rows of x (2 parts: 8, 1
+// part: 16) are stacked as the rows of one tile job; a tile row's sums
 // depend only on that row (the hardware computes each element alike: tests/test_gguf_amx.py
 // checks it at 1-33 rows), so an output's bits depend only on its own row of x and its weight
 // row, never on the batch or the thread split: speculative verification equals plain decoding
@@ -67,8 +73,9 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kLanes = 16;  // weight rows per group = float32 columns of a tile
-constexpr int kParts = 3;  // bfloat16 parts of each x
-constexpr int kRowsPerTile = 5;  // 5 rows x 3 parts = 15 of a tile's 16 rows
+constexpr int kTileRows = 16;
+// Rows of x per tile job: its bfloat16 parts fill at most a tile's 16 rows (3 parts: 5 rows).
+constexpr int rows_per_tile(int parts) { return kTileRows / parts; }
 
 #if defined(SPECSERVE_AMX)
 
@@ -86,20 +93,23 @@ struct TileConfig {
 // job, C (sums: tmm4-7) cycles over four.
 constexpr int kCTiles = 4;  // jobs in flight: a job's sums are folded two jobs later
 
-TileConfig make_config(int rows_per_group) {
+TileConfig make_config(int parts, int rows_per_group) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
     const bool weights = t < 2;
-    cfg.rows[t] = static_cast<uint8_t>(weights ? kBlock / 2 : kParts * rows_per_group);
+    cfg.rows[t] = static_cast<uint8_t>(weights ? kBlock / 2 : parts * rows_per_group);
     cfg.colsb[t] = 64;
   }
   return cfg;
 }
 
-// x [M, K] -> parts [blocks, M_pad, 3, 32] bfloat16 (a block's rows as consecutive tile rows; rows
-// past M zero) and sums [M, blocks] (float32 sum of each block of x, always in one order).
+// x [M, K] -> parts [blocks, M_pad, Parts, 32] bfloat16 (a block's rows as consecutive tile rows;
+// rows past M zero) and sums [M, blocks] (float32 sum of each block of x, always in one order).
+// Each part is what the ones before left, rounded to nearest: 3 parts sum to x exactly, fewer
+// drop the rest (2: x to ~16 significant bits, 1: x rounded to bfloat16).
+template <int Parts>
 void split_rows(const float* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* parts, float* sums) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
@@ -108,8 +118,8 @@ void split_rows(const float* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* p
         const float* v = x + r * k + b * kBlock;
         __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
         sums[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        uint16_t* out = parts + ((b * m_pad + r) * kParts) * kBlock;
-        for (int p = 0; p < kParts; ++p) {
+        uint16_t* out = parts + ((b * m_pad + r) * Parts) * kBlock;
+        for (int p = 0; p < Parts; ++p) {
           const __m512bh part = _mm512_cvtne2ps_pbh(hi, lo);  // [lo's 16, hi's 16], nearest even
           _mm512_storeu_si512(out + p * kBlock, reinterpret_cast<__m512i>(part));
           const __m512i bits = reinterpret_cast<__m512i>(part);
@@ -124,8 +134,8 @@ void split_rows(const float* x, int64_t m, int64_t m_pad, int64_t k, uint16_t* p
     }
   });
   for (int64_t b = 0; b < blocks; ++b)  // the padding rows of each block's last tile job
-    std::memset(parts + (b * m_pad + m) * kParts * kBlock, 0,
-                static_cast<size_t>((m_pad - m) * kParts * kBlock) * sizeof(uint16_t));
+    std::memset(parts + (b * m_pad + m) * Parts * kBlock, 0,
+                static_cast<size_t>((m_pad - m) * Parts * kBlock) * sizeof(uint16_t));
 }
 
 struct Q41Amx {
@@ -216,9 +226,10 @@ inline void load_weights(int b, const uint16_t* buf) {
   else _tile_loadd(1, buf, 64);
 }
 
-// A job's sums folded into its R rows: acc[r] += d * ((C[3r] + C[3r + 1]) + C[3r + 2]) and
-// (Q4_1) += m * S[r]; rows >= live are padding and skipped.
-template <typename Format, int R>
+// A job's sums folded into its R rows: acc[r] += d * P[r] and (Q4_1) += m * S[r], P[r] the sum of
+// the row's part sums in order ((C[3r] + C[3r + 1]) + C[3r + 2] for 3 parts); rows >= live are
+// padding and skipped.
+template <typename Format, int Parts, int R>
 inline void fold(const float* c, const uint8_t* rec, const float* sums, int64_t blocks, int live,
                  __m512* acc) {
   constexpr int kScales = Format::kHasMin ? 256 : 512;  // a record's d (then m) after its codes
@@ -226,12 +237,13 @@ inline void fold(const float* c, const uint8_t* rec, const float* sums, int64_t 
   __m512 mn = _mm512_setzero_ps();
   if constexpr (Format::kHasMin)
     mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kScales + 32)));
-#pragma GCC unroll 5
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     if (r >= live) break;
-    const float* cr = c + r * kParts * kLanes;
-    const __m512 p = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(cr), _mm512_load_ps(cr + kLanes)),
-                                   _mm512_load_ps(cr + 2 * kLanes));
+    const float* cr = c + r * Parts * kLanes;
+    __m512 p = _mm512_load_ps(cr);
+#pragma GCC unroll 3
+    for (int i = 1; i < Parts; ++i) p = _mm512_add_ps(p, _mm512_load_ps(cr + i * kLanes));
     acc[r] = _mm512_fmadd_ps(p, d, acc[r]);
     if constexpr (Format::kHasMin) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r * blocks]), acc[r]);
   }
@@ -239,27 +251,31 @@ inline void fold(const float* c, const uint8_t* rec, const float* sums, int64_t 
 
 // Weight groups [g0, g1) against every row of x, R rows per tile job, `tiles` jobs per block.
 // A job's sums are stored and folded kLag jobs after its multiply is issued, so the tile unit
-// works on the next jobs meanwhile.
-template <typename Format, int R>
+// works on the next jobs meanwhile. With one job per block (OneJob: every row in it, R == m) the
+// accumulators are locals the compiler keeps in registers; otherwise they live in acc.
+template <typename Format, int Parts, int R, bool OneJob>
 void run_groups(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64_t m,
                 int64_t tiles, const uint16_t* parts, const float* sums, float* yp, int64_t n,
-                __m512* acc) {
+                __m512* acc_rows) {
   constexpr int64_t kLag = 2;
   alignas(64) uint16_t bbuf[2][kBlock / 2 * kBlock];
-  alignas(64) float cbuf[kCTiles][kParts * kRowsPerTile * kLanes];
+  alignas(64) float cbuf[kCTiles][kTileRows * kLanes];
+  __m512 acc_local[R];
+  __m512* acc = OneJob ? acc_local : acc_rows;
   const __m512i table = code_table();
   const int64_t jobs = blocks * tiles, m_pad = tiles * R;
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t r = 0; r < m_pad; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t* rec0 = wp + g * blocks * Format::kBytes;
     auto finish = [&](int64_t j) {
-      const int64_t b = j / tiles, r0 = (j % tiles) * R;
+      const int64_t b = OneJob ? j : j / tiles, r0 = OneJob ? 0 : (j % tiles) * R;
       store_job(j, cbuf[j % kCTiles]);
-      fold<Format, R>(cbuf[j % kCTiles], rec0 + b * Format::kBytes, sums + r0 * blocks + b, blocks,
-                      static_cast<int>(m - r0), acc + r0);
+      fold<Format, Parts, R>(cbuf[j % kCTiles], rec0 + b * Format::kBytes,
+                             sums + r0 * blocks + b, blocks, OneJob ? R : static_cast<int>(m - r0),
+                             acc + r0);
     };
     for (int64_t j = 0; j < jobs; ++j) {
-      const int64_t b = j / tiles, t = j - b * tiles;
+      const int64_t b = OneJob ? j : j / tiles, t = j - b * tiles;
       const int slot = static_cast<int>(b & 1);
       if (t == 0) {
         const uint8_t* rec = rec0 + b * Format::kBytes;
@@ -267,7 +283,7 @@ void run_groups(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64
         Format::unpack(rec, bbuf[slot], table);
         load_weights(slot, bbuf[slot]);
       }
-      multiply_job(j, slot, parts + ((b * m_pad + t * R) * kParts) * kBlock);
+      multiply_job(j, slot, parts + ((b * m_pad + t * R) * Parts) * kBlock);
       if (j >= kLag) finish(j - kLag);
     }
     for (int64_t j = std::max<int64_t>(0, jobs - kLag); j < jobs; ++j) finish(j);
@@ -275,7 +291,23 @@ void run_groups(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64
   }
 }
 
-template <typename Format>
+// run_groups<Format, Parts, R> for the runtime row count rows (1..rows_per_tile(Parts)).
+template <typename Format, int Parts, int R = 1>
+void run_groups_for(int rows, int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks,
+                    int64_t m, int64_t tiles, const uint16_t* parts, const float* sums, float* yp,
+                    int64_t n, __m512* acc) {
+  if constexpr (R < rows_per_tile(Parts)) {
+    if (rows > R) {
+      run_groups_for<Format, Parts, R + 1>(rows, g0, g1, wp, blocks, m, tiles, parts, sums, yp, n,
+                                           acc);
+      return;
+    }
+  }
+  if (tiles == 1) run_groups<Format, Parts, R, true>(g0, g1, wp, blocks, m, 1, parts, sums, yp, n, acc);
+  else run_groups<Format, Parts, R, false>(g0, g1, wp, blocks, m, tiles, parts, sums, yp, n, acc);
+}
+
+template <typename Format, int Parts>
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
@@ -286,35 +318,41 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  // Tile jobs per block, and rows per job spread evenly (6 rows: 2 jobs of 3, not 5 + 1).
+  // Tile jobs per block, and rows per job spread evenly (3 parts, 6 rows: 2 jobs of 3, not 5 + 1).
   // (Past 5 rows, jobs of up to 16 rows with each part in its own C tile give the same bits but
   // measured slower at every row count up to 25: three stores per job and no overlap of jobs.)
+  constexpr int kRowsPerTile = rows_per_tile(Parts);
   const int64_t jobs_per_block = (m + kRowsPerTile - 1) / kRowsPerTile;
   const int rows = static_cast<int>((m + jobs_per_block - 1) / jobs_per_block);
   const int64_t m_pad = jobs_per_block * rows;
   // (not zeroed here: split_rows writes every row, and zeroes the padding rows)
-  std::unique_ptr<uint16_t[]> parts(new uint16_t[static_cast<size_t>(blocks * m_pad * kParts * kBlock)]);
+  std::unique_ptr<uint16_t[]> parts(new uint16_t[static_cast<size_t>(blocks * m_pad * Parts * kBlock)]);
   std::vector<float> sums(static_cast<size_t>(m * blocks));
-  split_rows(xc.data_ptr<float>(), m, m_pad, k, parts.get(), sums.data());
+  split_rows<Parts>(xc.data_ptr<float>(), m, m_pad, k, parts.get(), sums.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const TileConfig cfg = make_config(rows);
+  const TileConfig cfg = make_config(Parts, rows);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     _tile_loadconfig(&cfg);
     std::vector<__m512> acc(static_cast<size_t>(m_pad));
     const uint16_t* pp = parts.get();
     const float* sp = sums.data();
-    const int64_t t = jobs_per_block;
-    switch (rows) {
-      case 1: run_groups<Format, 1>(g0, g1, wp, blocks, m, t, pp, sp, yp, n, acc.data()); break;
-      case 2: run_groups<Format, 2>(g0, g1, wp, blocks, m, t, pp, sp, yp, n, acc.data()); break;
-      case 3: run_groups<Format, 3>(g0, g1, wp, blocks, m, t, pp, sp, yp, n, acc.data()); break;
-      case 4: run_groups<Format, 4>(g0, g1, wp, blocks, m, t, pp, sp, yp, n, acc.data()); break;
-      default: run_groups<Format, 5>(g0, g1, wp, blocks, m, t, pp, sp, yp, n, acc.data()); break;
-    }
+    run_groups_for<Format, Parts>(rows, g0, g1, wp, blocks, m, jobs_per_block, pp, sp, yp, n,
+                                  acc.data());
     _tile_release();
   });
   return y;
+}
+
+template <typename Format>
+torch::Tensor amx_linear_parts(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
+                               int64_t parts) {
+  switch (parts) {
+    case 3: return amx_linear<Format, 3>(x, w, n);
+    case 2: return amx_linear<Format, 2>(x, w, n);
+    case 1: return amx_linear<Format, 1>(x, w, n);
+    default: TORCH_CHECK(false, "parts must be 1, 2 or 3, got ", parts);
+  }
 }
 
 #endif  // SPECSERVE_AMX
@@ -332,19 +370,21 @@ bool amx_ready() {
 #endif
 }
 
-torch::Tensor q4_1_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+torch::Tensor q4_1_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
+                              int64_t parts) {
 #if defined(SPECSERVE_AMX)
   TORCH_CHECK(amx_ready(), "AMX tiles are not available to this process");
-  return amx_linear<Q41Amx>(x, w, n);
+  return amx_linear_parts<Q41Amx>(x, w, n, parts);
 #else
   TORCH_CHECK(false, "specserve's CPU kernels were built without AMX");
 #endif
 }
 
-torch::Tensor q8_0_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+torch::Tensor q8_0_amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n,
+                              int64_t parts) {
 #if defined(SPECSERVE_AMX)
   TORCH_CHECK(amx_ready(), "AMX tiles are not available to this process");
-  return amx_linear<Q80Amx>(x, w, n);
+  return amx_linear_parts<Q80Amx>(x, w, n, parts);
 #else
   TORCH_CHECK(false, "specserve's CPU kernels were built without AMX");
 #endif

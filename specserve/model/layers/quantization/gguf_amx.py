@@ -10,6 +10,13 @@ output). Measured on a 2-core Xeon: about the AVX-512 kernel's cost at 1-6 rows,
 Results are the same float32 model's (see the kernel's header for why the split is exact): a
 different summation order from the AVX-512 kernel, as between any two GEMM kernels.
 
+Precision: under torch.set_float32_matmul_precision("high") or ("medium") the kernel keeps 2 or
+1 bfloat16 parts of x (PyTorch's own meaning of those settings) in the products with the codes
+(the block minimum's term keeps x exactly), and a tile job then takes 8 or 16 rows: a
+verification of up to 7 or 15 proposals costs one job. torch's default ("highest") stays exact.
+A row's bits still depend only on that row, so speculation stays exactly lossless against plain
+decoding at the same setting; against the float32 model (transformers) tokens can differ.
+
 Layout: the kernel's B tile wants, for 16 output features side by side, pairs of consecutive
 inputs ("VNNI" pairs): tile row kp, word 2n + j = the code of input 2kp + j of weight row n. The
 blocks are repacked once at load into groups of 16 weight rows, [N / 16, K / 32, record], the
@@ -34,13 +41,35 @@ def wanted(kernels) -> bool:
             and bool(kernels.amx_ready()))
 
 
-def kernel(kernels, format_name: str, out_features: int
+# torch.get_float32_matmul_precision() -> bfloat16 parts of each x, and the layer's format suffix.
+# "highest" (torch's default) keeps x exactly; "high" is PyTorch's "each float32 number as the sum
+# of two bfloat16 numbers" (~16 significant bits); "medium" rounds x to bfloat16.
+PARTS_BY_PRECISION = {"highest": 3, "high": 2, "medium": 1}
+FORMAT_SUFFIX = {3: "+amx", 2: "+amx/bf16x2", 1: "+amx/bf16"}
+
+
+def parts_for_precision(precision: str | None = None) -> int:
+    """bfloat16 parts per x for a float32 matmul precision (default: torch's current setting).
+
+    Why follow torch's setting: it is the switch PyTorch users already have for trading float32
+    matmul precision for speed, with this very meaning on CPUs with AMX. Fewer parts fit more
+    rows of x in one tile job (3 parts: 5 rows, 2: 8, 1: 16), so longer verifications stay at one
+    job's cost."""
+    precision = precision or torch.get_float32_matmul_precision()
+    if precision not in PARTS_BY_PRECISION:
+        raise ValueError(f"float32 matmul precision {precision!r} is not one of "
+                         f"{sorted(PARTS_BY_PRECISION)}")
+    return PARTS_BY_PRECISION[precision]
+
+
+def kernel(kernels, format_name: str, out_features: int, parts: int = 3
            ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """x [T, K] float32, packed records -> [T, out_features], through the AMX kernel."""
+    """x [T, K] float32 (as `parts` bfloat16 parts), packed records -> [T, out_features], through
+    the AMX kernel."""
     fn = getattr(kernels, f"{format_name.lower()}_amx_linear")
 
     def amx_kernel(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return fn(x, packed, out_features)
+        return fn(x, packed, out_features, parts)
 
     return amx_kernel
 

@@ -90,6 +90,7 @@ class GGUFBlocks(QuantizationMethod):
         self._blocks: dict[str, tuple[torch.Tensor, str]] = {}
         self._kernels = None
         self._amx = False  # products on AMX tiles (gguf_amx.py) where the CPU has them
+        self._amx_parts = 3  # bfloat16 parts of x there (torch's float32 matmul precision)
         self._embedding_tables: set[int] = set()  # data_ptr of every embedding weight
 
     def bind(self, model: nn.Module, source) -> None:
@@ -103,6 +104,7 @@ class GGUFBlocks(QuantizationMethod):
 
         self._blocks = linear_blocks(source.gguf_file, model)
         self._amx = gguf_amx.wanted(self._kernels)
+        self._amx_parts = gguf_amx.parts_for_precision()  # read once: every layer alike
         self._embedding_tables = {m.weight.data_ptr() for m in model.modules()
                                   if isinstance(m, nn.Embedding)}
 
@@ -120,8 +122,10 @@ class GGUFBlocks(QuantizationMethod):
         tiles where the CPU has them (repacked, see gguf_amx.py), else the AVX-512 kernel. The
         choice is made per layer once, so every row count of a layer takes the same path."""
         if self._amx and blocks.shape[0] % gguf_amx.LANES == 0:
-            kernel = gguf_amx.kernel(self._kernels, format_name, out_features=blocks.shape[0])
+            kernel = gguf_amx.kernel(self._kernels, format_name, out_features=blocks.shape[0],
+                                     parts=self._amx_parts)
             return GGUFBlockLinear(linear, gguf_amx.PACKERS[format_name](blocks), kernel,
-                                   f"{format_name}+amx", keep_weight=tied)
+                                   format_name + gguf_amx.FORMAT_SUFFIX[self._amx_parts],
+                                   keep_weight=tied)
         kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
         return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
