@@ -1,4 +1,5 @@
-"""How far ``quantization="gguf_a8"`` moves SmolLM2 from its float32 model, beside llama.cpp.
+"""How far ``quantization="gguf_a8"`` (and, on AMX CPUs, torch's "high" / "medium" float32 matmul
+precision) moves SmolLM2 from its float32 model, beside llama.cpp.
 
 gguf_a8 rounds every block of 32 activations to 8 bits before its integer dot products, as
 llama.cpp does for the same Q4_1 / Q8_0 file. This measures, on teacher-forced text (the first
@@ -31,9 +32,15 @@ def top(entry: dict) -> int:
     return max(entry.items(), key=lambda kv: kv[1].logprob)[0]
 
 
-def ours(quantization: str | None, texts: list[str]):
-    """Per text: (token ids, log-probability of each next token, top token at each position)."""
-    llm = LLM(device="cpu", max_model_len=2048, quantization=quantization)
+def ours(quantization: str | None, texts: list[str], precision: str = "highest"):
+    """Per text: (token ids, log-probability of each next token, top token at each position),
+    the model loaded under torch.set_float32_matmul_precision(precision)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:  # read at load (quantization/gguf_amx.py)
+        llm = LLM(device="cpu", max_model_len=2048, quantization=quantization)
+    finally:
+        torch.set_float32_matmul_precision(before)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     result = []
     for out in llm.generate(texts, params, use_tqdm=False):
@@ -64,6 +71,9 @@ def main() -> None:
     texts = [path.read_text()[:5000] for path in TEXTS]
     fp32, gguf = ours(None, texts)
     a8, _ = ours("gguf_a8", texts)
+    # On a CPU with AMX, torch's "high" / "medium" float32 matmul precision takes x as 2 / 1
+    # bfloat16 parts in the GGUF products (quantization/gguf_amx.py); elsewhere they equal float32.
+    lower = {p: ours(None, texts, p)[0] for p in ("high", "medium")}
     try:
         import llama_cpp  # noqa: F401
         have_llama_cpp = True
@@ -71,8 +81,11 @@ def main() -> None:
         have_llama_cpp = False
     print("| text | tokens | engine | perplexity | top token = float32's | mean abs d logprob |")
     print("|---|---:|---|---:|---:|---:|")
-    for path, (ids, lp32, top32), (_, lpa8, topa8) in zip(TEXTS, fp32, a8, strict=True):
+    for i, (path, (ids, lp32, top32), (_, lpa8, topa8)) in enumerate(zip(TEXTS, fp32, a8,
+                                                                          strict=True)):
         rows = {"specserve float32 (gguf)": (lp32, top32), "specserve gguf_a8": (lpa8, topa8)}
+        for precision, result in lower.items():
+            rows[f'specserve float32, matmul precision "{precision}"'] = result[i][1:]
         if have_llama_cpp:
             rows["llama.cpp (same file)"] = llama_cpp_scores(gguf, ids, args.threads)
         n = len(lp32)
@@ -80,7 +93,7 @@ def main() -> None:
             agree = sum(a == b for a, b in zip(tops, top32, strict=True)) / n
             drift = sum(abs(a - b) for a, b in zip(lp, lp32, strict=True)) / n
             print(f"| {path.name} | {n + 1} | {name} | {math.exp(-sum(lp) / n):.3f} | "
-                  f"{100 * agree:.1f} % | {drift:.4f} |")
+                  f"{100 * agree:.1f} % | {drift:.5f} |")
     if not have_llama_cpp:
         print("\n(llama-cpp-python is not installed: pip install llama-cpp-python)")
 
