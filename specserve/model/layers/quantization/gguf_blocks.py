@@ -16,7 +16,9 @@ at load for csrc/gguf_amx_linear.cpp (gguf_amx.py), which gives the same float32
 products with x split exactly into bfloat16 parts: on a 2-core Xeon 1.04-1.16x the AVX-512
 kernel at 1-4 rows, 0.95-0.99x at 6, 1.3-1.8x at 9-32 (batch-32 decoding, long verifications,
 prompts). ``SPECSERVE_AMX=0`` keeps the AVX-512 kernel. The choice is made once per layer, never
-per row count, so a row's bits never depend on its batch.
+per row count, so a row's bits never depend on its batch. There alone, torch's float32 matmul
+precision "high" / "medium" (read at load) trades the exact split for speed: 2 / 1 bfloat16 parts
+of x, 8 / 16 rows per tile job (gguf_amx.py).
 
 When: a GGUF model on the CPU in float32 uses it by default, as vLLM uses its GGUF kernels for
 GGUF files (``quantization="gguf"`` asks for it explicitly; ``SPECSERVE_CPU_KERNELS=0`` turns
