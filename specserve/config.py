@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 from specserve.model.layers.quantization import get_quantization_method
+from specserve.model.layers.quantization.gguf_amx import PARTS_BY_PRECISION
+
+FLOAT32_MATMUL_PRECISIONS = tuple(PARTS_BY_PRECISION)  # torch's: highest, high, medium
 
 SUPPORTED_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -160,6 +163,8 @@ class EngineArgs:
     enforce_eager: bool = False
     trust_remote_code: bool = False
     quantization: str | None = None  # a name in QUANTIZATION_METHODS
+    # torch's float32 matmul precision while the models load (None: torch's current setting)
+    float32_matmul_precision: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -179,3 +184,6 @@ class EngineArgs:
                  f"model={self.model!r} must be a string (path, Hub id or GGUF file).")
         if self.quantization is not None:
             get_quantization_method(self.quantization)  # unknown names fail here, before loading
+        _require(self.float32_matmul_precision in (None, *FLOAT32_MATMUL_PRECISIONS),
+                 f"float32_matmul_precision={self.float32_matmul_precision!r} must be one of "
+                 f"{list(FLOAT32_MATMUL_PRECISIONS)} or None.")

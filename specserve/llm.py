@@ -32,6 +32,7 @@ class LLM:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        float32_matmul_precision: str | None = None,
         device: str = "auto",
         trust_remote_code: bool = False,
         block_size: int = 16,
@@ -95,6 +96,7 @@ class LLM:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             quantization=quantization,
+            float32_matmul_precision=float32_matmul_precision,
             trust_remote_code=trust_remote_code,
             cache=CacheConfig(
                 block_size=block_size,

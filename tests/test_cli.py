@@ -36,6 +36,7 @@ ROUND_TRIP: dict[str, tuple[list[str], object]] = {
     "max_model_len": (["4k"], 4000),
     "enforce_eager": ([], True),
     "quantization": (["int4"], "int4"),
+    "float32_matmul_precision": (["medium"], "medium"),
     "device": (["cpu"], "cpu"),
     "trust_remote_code": ([], True),
     "block_size": (["32"], 32),

@@ -49,6 +49,8 @@ LLM_ERRORS = [
     (dict(max_model_len=0), ValueError, ["max_model_len=0"]),
     (dict(max_model_len=100_000), ValueError, ["max_model_len=100000", "512"]),
     (dict(seed="1"), ValueError, ["seed='1'", "int"]),
+    (dict(float32_matmul_precision="low"), ValueError,
+     ["float32_matmul_precision='low'", "highest", "medium"]),
     (dict(max_num_seqs=0), ValueError, ["max_num_seqs=0"]),
     (dict(temprature=0.5), ValueError, ["unknown", "temprature"]),
     (dict(tensor_parallel_size=2), NotImplementedError,

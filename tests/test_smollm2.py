@@ -136,20 +136,23 @@ def _amx_in_use() -> bool:
 @pytest.mark.parametrize("precision,suffix,k", [("high", "+amx/bf16x2", 7),
                                                 ("medium", "+amx/bf16", 15)])
 def test_lower_matmul_precision_keeps_speculation_lossless(precision, suffix, k):
-    """Under torch.set_float32_matmul_precision("high" / "medium") the AMX kernel takes x as 2
-    / 1 bfloat16 parts, 8 / 16 rows per tile job: verifying k proposals (one job) must still
-    give plain decoding's tokens at that setting, alone and beside a chat request."""
+    """At float32 matmul precision "high" / "medium" the AMX kernel takes x as 2 / 1 bfloat16
+    parts, 8 / 16 rows per tile job: verifying k proposals (one job) must still give plain
+    decoding's tokens at that setting, alone and beside a chat request. The first engine gets
+    it from torch's setting, the second from its own argument (which leaves torch's alone)."""
     from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:  # the layers read it at load
         plain_llm = LLM(device="cpu", max_model_len=2048)
-        spec_llm = LLM(device="cpu", max_model_len=2048, speculative_model="[ngram]",
-                       num_speculative_tokens=k, ngram_prompt_lookup_max=4,
-                       speculative_adaptive=False)  # every match verifies k proposals
     finally:
         torch.set_float32_matmul_precision(before)
+    spec_llm = LLM(device="cpu", max_model_len=2048, speculative_model="[ngram]",
+                   num_speculative_tokens=k, ngram_prompt_lookup_max=4,
+                   speculative_adaptive=False,  # every match verifies k proposals
+                   float32_matmul_precision=precision)
+    assert torch.get_float32_matmul_precision() == before
     layers = [m for m in spec_llm.llm_engine.runner.model.modules()
               if isinstance(m, GGUFBlockLinear)]
     assert {m.format_name for m in layers} == {"Q4_1" + suffix, "Q8_0" + suffix}

@@ -32,7 +32,7 @@ from specserve.spec_decode.factory import check_implemented, create_proposer, lo
 from specserve.spec_decode.verifier import Verifier, VerifyResult
 from specserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_BATCH
 from specserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, plan_gpu_memory
-from specserve.worker.loading import load_model
+from specserve.worker.loading import float32_matmul_precision, load_model
 from specserve.worker.model_runner import ModelRunner, SequenceRun, select_rows
 from specserve.worker.transfer import PendingRead, index_tensor
 
@@ -82,8 +82,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, args.tokenizer, args.trust_remote_code)
         if args.quantization is not None:  # a CPU-only method on CUDA fails before loading
             get_quantization_method(args.quantization).check_device(self.device)
-        target = load_model(args.model, self.dtype, self.device, self.source, self.hf_config,
-                            quantization=args.quantization)
+        with float32_matmul_precision(args.float32_matmul_precision):
+            target = load_model(args.model, self.dtype, self.device, self.source,
+                                self.hf_config, quantization=args.quantization)
         self.vocab_size = target.model.vocab_size
         self.max_model_len = self._derive_max_model_len(args.max_model_len,
                                                         target.max_position_embeddings)
@@ -93,8 +94,9 @@ class LLMEngine:
         spec = args.speculative
         draft_runner, spec_max_model_len = None, self.max_model_len
         if spec is not None:
-            draft_runner, spec_max_model_len = load_draft_runner(
-                spec, target, self.dtype, self.device, block_size, self.max_model_len)
+            with float32_matmul_precision(args.float32_matmul_precision):
+                draft_runner, spec_max_model_len = load_draft_runner(
+                    spec, target, self.dtype, self.device, block_size, self.max_model_len)
         sched = args.scheduler
         max_tokens = sched.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          sched.max_num_seqs)

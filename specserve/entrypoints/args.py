@@ -150,6 +150,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "gguf_a8 (the same blocks, activations rounded to 8 bits, integer dot products; "
                "CPU)",
                aliases=("-q",)),
+    EngineFlag("float32_matmul_precision", str,
+               "torch's float32 matmul precision while the models load: highest, high or medium "
+               "(on CPUs with AMX the GGUF kernel then keeps 3, 2 or 1 bfloat16 parts of each "
+               "activation: faster, less exact; default: torch's current setting)"),
     EngineFlag("device", str, "auto, cpu or cuda"),
     EngineFlag("trust_remote_code", None, "allow custom tokenizer code from the model repo"),
     EngineFlag("block_size", int, "tokens per KV-cache block"),

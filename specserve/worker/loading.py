@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,22 @@ def uses_gguf_blocks_by_default(source: ModelSource, dtype: torch.dtype,
     SPECSERVE_CPU_KERNELS=0, and built)."""
     return (source.is_gguf and device.type == "cpu" and dtype == torch.float32
             and cpu_kernels.load() is not None)
+
+
+@contextmanager
+def float32_matmul_precision(precision: str | None) -> Iterator[None]:
+    """torch's float32 matmul precision set to `precision` while models load, then put back
+    (None: left as it is). The GGUF layers read it at load (quantization/gguf_amx.py), so an
+    engine's choice holds for its own layers without changing the process's setting."""
+    if precision is None:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
