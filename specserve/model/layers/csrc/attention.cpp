@@ -83,8 +83,9 @@ inline f32x16 exp16(f32x16 x) {
 }
 
 // max(row[0..n)), 16 lanes at a time: a scalar loop is one dependent max per key (~4 cycles
-// each, ~40 % of a query row's attention at SmolLM2's shapes). The maximum is the same
-// whatever the order, so the softmax's bits are too.
+// each); replacing it made a query row's attention ~35 % cheaper at SmolLM2's shapes
+// (BENCHMARKS.md "CPU, session 28"). The maximum is the same whatever the order, so the
+// softmax's bits are too.
 inline float row_max(const float* row, int64_t n) {
   f32x16 lanes = f32x16{} - INFINITY;
   int64_t j = 0;
