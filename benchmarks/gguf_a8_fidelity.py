@@ -34,13 +34,9 @@ def top(entry: dict) -> int:
 
 def ours(quantization: str | None, texts: list[str], precision: str = "highest"):
     """Per text: (token ids, log-probability of each next token, top token at each position),
-    the model loaded under torch.set_float32_matmul_precision(precision)."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:  # read at load (quantization/gguf_amx.py)
-        llm = LLM(device="cpu", max_model_len=2048, quantization=quantization)
-    finally:
-        torch.set_float32_matmul_precision(before)
+    the model loaded at that float32 matmul precision."""
+    llm = LLM(device="cpu", max_model_len=2048, quantization=quantization,
+              float32_matmul_precision=precision)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     result = []
     for out in llm.generate(texts, params, use_tqdm=False):

@@ -93,6 +93,13 @@ def reference(x: torch.Tensor, raw: torch.Tensor, dense: torch.Tensor, fmt: str,
     return split_sum(x, parts) @ (dense.double() - mins).t() + x.double() @ mins.t()
 
 
+def within_rounding(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor,
+                    dense: torch.Tensor) -> bool:
+    """Whether got is ref to float32 rounding: bounded by |x| @ |w| (the sums' magnitude)."""
+    scale = x.abs().double() @ dense.abs().double().t()
+    return bool(((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all())
+
+
 def amx(fmt: str, x: torch.Tensor, raw: torch.Tensor, parts: int = 3) -> torch.Tensor:
     return getattr(kernels, f"{fmt.lower()}_amx_linear")(x, gguf_amx.PACKERS[fmt](raw),
                                                           raw.shape[0], parts)
@@ -110,10 +117,8 @@ def test_amx_linear_equals_dequantized_matmul(qtype, fmt, out_features, parts):
     for rows in [0, *ROW_COUNTS]:
         x = torch.randn(rows, 96, generator=gen)
         got = amx(fmt, x, raw, parts)  # [rows, N]
-        ref = reference(x, raw, dense, fmt, parts)
-        scale = x.abs().double() @ dense.abs().double().t()  # bound on the rounding
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
-        assert ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all(), rows
+        assert within_rounding(got, reference(x, raw, dense, fmt, parts), x, dense), rows
 
 
 @needs_amx
@@ -157,10 +162,8 @@ def test_amx_linear_wrong_code_would_fail():
     broken = raw.clone()
     broken[5, 4 + 3] ^= 1  # one 4-bit code of row 5, block 0
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
-    got = amx("Q4_1", x, broken)
-    ref = x.double() @ dense.double().t()
-    scale = x.abs().double() @ dense.abs().double().t()
-    assert not ((got.double() - ref).abs() <= 1e-6 * scale + 1e-7).all()
+    assert not within_rounding(amx("Q4_1", x, broken), reference(x, raw, dense, "Q4_1", 3), x,
+                               dense)
 
 
 @needs_amx

@@ -334,7 +334,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const TileConfig cfg = make_config(Parts, rows);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     _tile_loadconfig(&cfg);
-    std::vector<__m512> acc(static_cast<size_t>(m_pad));
+    // accumulators of jobs that share a block (one job per block keeps them in registers)
+    std::vector<__m512> acc(static_cast<size_t>(jobs_per_block > 1 ? m_pad : 0));
     const uint16_t* pp = parts.get();
     const float* sp = sums.data();
     run_groups_for<Format, Parts>(rows, g0, g1, wp, blocks, m, jobs_per_block, pp, sp, yp, n,
