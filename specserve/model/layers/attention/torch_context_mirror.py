@@ -75,12 +75,29 @@ class _LayerBuffers:
     k: torch.Tensor  # [slots, capacity, KvH, D] view of k_storage
     v: torch.Tensor
     version: int  # the arrangement of rows they hold (see ContextMirror.plan)
+    # The last rows() answer, kept while the step's window of rows is the same: (base, count)
+    # -> views. Slicing, flattening and transposing them anew took ~2 us per view, in each of
+    # SmolLM2's 30 layers every step.
+    _window: tuple[int, int] | None = None
+    _views: tuple[torch.Tensor, ...] = ()
 
     def shape_as(self, shape: tuple[int, ...]) -> None:
         """View the storage as K and V buffers of this shape (the contents are not kept)."""
         count = shape[0] * shape[1] * shape[2] * shape[3]
         self.k = self.k_storage[:count].view(shape)
         self.v = self.v_storage[:count].view(shape)
+        self._window = None
+
+    def rows(self, base: int, count: int) -> tuple[torch.Tensor, ...]:
+        """Views of the rows [base, base + count): K, V [S, capacity, KvH, D]; the same
+        flattened, [S * capacity, KvH, D] (where a step writes its tokens); the same as the
+        attention kernel reads them, [S, KvH, capacity, D]."""
+        if self._window != (base, count):
+            k, v = self.k[base : base + count], self.v[base : base + count]
+            self._views = (k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]),
+                           k.transpose(1, 2), v.transpose(1, 2))
+            self._window = (base, count)
+        return self._views
 
 
 @dataclass
@@ -99,14 +116,25 @@ class MirrorStep:
     moves: list[Move] = field(default_factory=list)
     # layer's cache pointer -> its (K, V) rows for this step: an extend step asks twice per
     # layer (write, then read), and slicing views costs more than a dict probe
-    _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (K, V) mirror rows, [S, capacity, KvH, D] each."""
+        return self._layer_views(k_cache)[:2]
+
+    def _layer_views(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """_LayerBuffers.rows() of this layer for the step."""
         views = self._views.get(k_cache.data_ptr())
         if views is None:
             views = self._views[k_cache.data_ptr()] = self.mirror.buffers(k_cache, self)
         return views
+
+    def kernel_views(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """An extend step's views for the C++ kernels: K and V rows [S * capacity, KvH, D]
+        (where rope_write_kv writes the step's tokens, at self.index), then K and V
+        [S, KvH, capacity, D] (what run_attention reads, up to each sequence's length: the
+        same keys as context(), whose views stop at max_k)."""
+        return self._layer_views(k_cache)[2:]
 
     def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> None:
         """key/value [T, KvH, D]: this step's new tokens (written on extend steps only)."""
@@ -122,8 +150,8 @@ class MirrorStep:
         gathers the context from the cache after the write)."""
         if not self.extend:
             return None
-        mk, mv = self.buffers(k_cache)
-        return mk.view(-1, *mk.shape[2:]), mv.view(-1, *mv.shape[2:]), self.index
+        k_rows, v_rows, _, _ = self.kernel_views(k_cache)
+        return k_rows, v_rows, self.index
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +308,10 @@ class ContextMirror:
         return base, down + up[::-1]
 
     def buffers(self, k_cache: torch.Tensor,
-                step: MirrorStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (K, V) mirror rows for the step, [S, capacity, KvH, D] each: on a
-        rebuild (re)allocated as needed, on an extend compacted once if the step moves rows."""
+                step: MirrorStep) -> tuple[torch.Tensor, ...]:
+        """This layer's mirror rows for the step (_LayerBuffers.rows: K and V [S, capacity,
+        KvH, D] first): on a rebuild (re)allocated as needed, on an extend compacted once if
+        the step moves rows."""
         key = k_cache.data_ptr()
         held = self._buffers.get(key)
         if not step.extend:
@@ -306,5 +335,4 @@ class ContextMirror:
                 held.k[dst, :n].copy_(held.k[src, :n])
                 held.v[dst, :n].copy_(held.v[src, :n])
             held.version = step.version
-        rows = slice(step.base, step.base + step.rows)
-        return held.k[rows], held.v[rows]
+        return held.rows(step.base, step.rows)
