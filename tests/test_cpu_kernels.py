@@ -221,3 +221,58 @@ def test_argmax_rows_rejects_bad_input():
         kernels.argmax_rows(torch.zeros(2, 0))
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.argmax_rows(torch.zeros(4, 2).t())
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (6, 1536), (3, 37), (70, 1536)])
+def test_silu_mul_matches_torch(rows, inter):  # 37: a tail of 5 lanes; 70: several tasks
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # zeros, and exp's clamp either side
+    exact = (torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double())
+    out = kernels.silu_mul(gate_up)
+    assert out.shape == (rows, inter)
+    # within 4 float32 ulps (torch's own ops are within ~2 of the float64 value), or 1e-30
+    torch.testing.assert_close(out.double(), exact, rtol=4.8e-7, atol=1e-30)
+    # rows with a stride (a view of a wider tensor) give the same values
+    wide = torch.cat([gate_up, torch.full((rows, 3), float("nan"))], dim=1)[:, :2 * inter]
+    assert torch.equal(kernels.silu_mul(wide), out)
+
+
+def test_silu_mul_power_and_nan():
+    """A kernel that swapped gate and up, or dropped the sigmoid, would fail the check above;
+    NaN propagates."""
+    gate_up = torch.randn(2, 64)
+    exact = torch.nn.functional.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    swapped = torch.nn.functional.silu(gate_up[:, 32:]) * gate_up[:, :32]
+    assert not torch.allclose(swapped, exact, rtol=4.8e-7, atol=1e-30)
+    assert not torch.allclose(gate_up[:, :32] * gate_up[:, 32:], exact, rtol=4.8e-7, atol=1e-30)
+    gate_up[1, 5] = float("nan")
+    out = kernels.silu_mul(gate_up)
+    assert out[1, 5].isnan() and not out[0].isnan().any()
+
+
+def test_silu_mul_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="even"):
+        kernels.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.silu_mul(torch.zeros(8, 2).t())
+
+
+def test_llama_mlp_uses_the_kernel_on_the_cpu(monkeypatch):
+    from transformers import LlamaConfig
+
+    from specserve.model.llama import LlamaMLP
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=48))
+    calls = []
+    real = kernels.silu_mul
+    monkeypatch.setattr(cpu_kernels, "load", lambda: type("K", (), {
+        "silu_mul": staticmethod(lambda x: calls.append(x.shape) or real(x))})())
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        out = mlp(x)
+        gate, up = mlp.gate_up_proj(x).split(48, dim=-1)
+        torch.testing.assert_close(out, mlp.down_proj(torch.nn.functional.silu(gate) * up))
+    assert calls == [(3, 96)]

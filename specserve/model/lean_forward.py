@@ -12,10 +12,10 @@ attention, their checks made once per step). On the 2-core CI machine (session 2
 
 The module tree stays the definition of the model and serves every other device and dtype. This
 plan runs the very same ops in the same order on the same tensors (the CPU kernels of
-layers/csrc for the norms and GGUF projections, ``F.linear`` for dense ones, the attention
-backend's kernels or the layer's own ``forward_packed``), so its outputs are bit-identical to
-the modules' (checked by tests/test_lean_forward.py on dense and GGUF checkpoints, prefill,
-decode and verification).
+layers/csrc for the norms, the MLP's silu * up and the GGUF projections, ``F.linear`` for dense
+ones, the attention backend's kernels or the layer's own ``forward_packed``), so its outputs
+are bit-identical to the modules' (checked by tests/test_lean_forward.py on dense and GGUF
+checkpoints, prefill, decode and verification).
 
 A model gets a plan only when every piece is one whose CPU path is known here: float32
 weights, the CPU kernels loaded, ``RMSNorm`` norms, and projections that are plain
@@ -57,7 +57,6 @@ class LeanLayer(NamedTuple):
     o: Projection
     gate_up: Projection
     down: Projection
-    intermediate: int
     attention: Attention
     rotary: RotaryEmbedding
 
@@ -109,7 +108,7 @@ class LeanLlamaStack:
             layers.append(LeanLayer(layer.input_layernorm.weight, layer.input_layernorm.eps,
                                     layer.post_attention_layernorm.weight,
                                     layer.post_attention_layernorm.eps, *projections,
-                                    mlp.intermediate_size, block.attn, block.rotary_emb))
+                                    block.attn, block.rotary_emb))
         return cls(embedding, layers, model.norm, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -139,7 +138,5 @@ class LeanLlamaStack:
                 attn = layer.attention.forward_packed(qkv, layer.rotary, rope, meta)
             normed, residual = kernels.add_rms_norm(layer.o(attn), residual, layer.post_norm,
                                                     layer.post_eps)
-            gate_up = layer.gate_up(normed)  # [T, 2I]
-            inter = layer.intermediate
-            hidden = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            hidden = layer.down(kernels.silu_mul(layer.gate_up(normed)))  # [T, 2I] -> [T, I]
         return kernels.add_rms_norm(hidden, residual, self.final_norm, self.final_eps)[0]

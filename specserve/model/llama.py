@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from specserve.model import lean_forward
 from specserve.model.base import CausalLM, KVGeometry
-from specserve.model.layers import fused_mlp, triton_ops
+from specserve.model.layers import cpu_kernels, fused_mlp, triton_ops
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
@@ -70,6 +70,8 @@ class LlamaMLP(nn.Module):
         gate_up = triton_ops.linear(self.gate_up_proj, x)  # [T, 2I]
         if triton_ops.available(gate_up):  # one kernel instead of 2
             return triton_ops.linear(self.down_proj, triton_ops.silu_mul(gate_up))
+        if gate_up.dim() == 2 and cpu_kernels.available(gate_up):  # one C++ pass, not 2 ops
+            return self.down_proj(cpu_kernels.load().silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 

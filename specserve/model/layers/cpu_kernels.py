@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "SPECSERVE_CPU_KERNELS"
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "gguf_linear.cpp", "gguf_a8_linear.cpp", "gguf_amx_linear.cpp",
-            "rms_norm.cpp", "rope_kv.cpp", "attention.cpp", "argmax.cpp")
+            "rms_norm.cpp", "rope_kv.cpp", "attention.cpp", "argmax.cpp", "activation.cpp")
 
 
 def enabled() -> bool:

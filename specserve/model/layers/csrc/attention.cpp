@@ -58,30 +58,6 @@ inline f32x16 sum16x16(const f32x16* v) {
 #endif
 }
 
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2.
-// Degree-6 polynomial (Cephes' expf coefficients); values below -87 flush to 0.
-inline f32x16 exp16(f32x16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const f32x16 lo = f32x16{} - 87.0f;
-  x = x < lo ? lo : x;
-  // round to nearest for x <= 0: truncation of x log2(e) - 1/2
-  const f32x16 n = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16), f32x16);
-  f32x16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
-}
-
 // max(row[0..n)), 16 lanes at a time: a scalar loop is one dependent max per key (~4 cycles
 // each); replacing it made a query row's attention ~35 % cheaper at SmolLM2's shapes
 // (BENCHMARKS.md "CPU, session 28"). The maximum is the same whatever the order, so the

@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("k_mirror") = py::none(), py::arg("v_mirror") = py::none(),
         py::arg("mirror_rows") = py::none());
+  m.def("silu_mul", &silu_mul, "gate_up [T, 2I] f32 -> silu(gate) * up [T, I]");
   m.def("argmax_rows", &argmax_rows, "x [R, V] f32 -> [R] int64, as torch.argmax(x, -1)");
   m.def("run_attention", &run_attention,
         "q [T, H, D] of short runs against k, v [S, KvH, K, D]; causal within each run");

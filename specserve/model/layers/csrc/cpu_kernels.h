@@ -40,6 +40,31 @@ inline float hsum16(f32x16 v) {
 #endif
 }
 
+// exp(x) for x <= 0 (attention's scores minus their max, silu's exp(-|g|)): 2^n * p(r) with
+// x = n ln2 + r, |r| <= ln2 / 2. Degree-6 polynomial (Cephes' expf coefficients); arguments
+// below -87 are taken as -87 (~1.6e-38; attention.cpp zeroes masked keys itself).
+inline f32x16 exp16(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.0f;
+  x = x < lo ? lo : x;
+  // round to nearest for x <= 0: truncation of x log2(e) - 1/2
+  const f32x16 n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16), f32x16);
+  f32x16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
 // gguf_linear.cpp: x [M, K] float32 @ raw GGUF blocks [N, K / 32 * block bytes]^T -> [M, N]
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
@@ -73,6 +98,9 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
                             const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_mirror,
                             const c10::optional<torch::Tensor>& v_mirror,
                             const c10::optional<torch::Tensor>& mirror_rows);
+
+// activation.cpp: silu(gate) * up of a gated MLP's gate_up [T, 2I] float32 -> [T, I]
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // attention.cpp: short query runs (decode, verification) against each sequence's context;
 // q [T, H, D], k/v [S, KvH, K, D] views; query i of a run of length q in a sequence of length L
