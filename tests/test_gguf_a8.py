@@ -100,6 +100,9 @@ REPEAT_PROMPT = ("Repeat this code exactly:\n\ndef fizzbuzz(n):\n    for i in ra
                  "        if i % 15 == 0:\n            print('FizzBuzz')\n        elif i % 3 == 0:\n"
                  "            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
                  "        else:\n            print(i)\n")
+# A code edit, which SmolLM2 answers by copying the function (with 8-bit activations it answers
+# REPEAT_PROMPT with the function's name alone).
+EDIT_PROMPT = "Add type hints to this function:\n\n" + REPEAT_PROMPT.split("\n\n", 1)[1]
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
         "def add(a, b):\n    return a + b\n\nWrite a docstring for this function."]
 CHAT_MORE = ["Explain what a linked list is in two sentences.",
@@ -144,7 +147,7 @@ def test_smollm2_a8_speculation_equals_plain(smol_a8, method):
     from specserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    prompts = _chat(smol_a8, [REPEAT_PROMPT, *CHAT, *CHAT_MORE])
+    prompts = _chat(smol_a8, [EDIT_PROMPT, *CHAT, *CHAT_MORE])
     plain = [o.outputs[0].token_ids for o in smol_a8.generate(prompts, params, use_tqdm=False)]
     cached = [o.outputs[0].token_ids for o in smol_a8.generate(prompts, params, use_tqdm=False)]
     assert cached == plain  # the second time the prompts come from the prefix cache
@@ -154,7 +157,7 @@ def test_smollm2_a8_speculation_equals_plain(smol_a8, method):
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = spec.llm_engine.speculation.metrics.total
-    assert metrics.num_accepted_tokens > 20  # the repeat prompt was sped up, not just decoded
+    assert metrics.num_accepted_tokens > 20  # the code edit was sped up, not just decoded
 
 
 @pytest.mark.slow
