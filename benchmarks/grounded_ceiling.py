@@ -36,6 +36,7 @@ import itertools
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -208,6 +209,118 @@ def policy_cost(per_prompt: list[list[tuple[int, int, int]]], cost: dict[int, fl
     return total
 
 
+# ---- richer rules, fitted to the data: how much of the hindsight bound could a predictor of
+# acceptance recover? (An in-sample fit, so an upper bound on what such a rule would do on new
+# text.)
+@dataclass(frozen=True)
+class Candidates:
+    """At one output position: the "[ngram]" proposal (the most recent earlier occurrence of
+    the longest matching tail) and what could tell in advance whether it will be accepted."""
+
+    n: int  # matched tail length (0: no proposal)
+    available: int  # proposal length
+    accepted: int
+    context: int  # how far the context before that occurrence matches the current one, <= 64
+    agreement: float  # share of the tail's earlier occurrences followed by the proposed token
+    n2: int  # a second candidate: the most recent occurrence whose next token differs ...
+    available2: int  # ... (of the longest tail that has one), its length and acceptance
+    accepted2: int
+
+
+def candidate_rows(prompt: list[int], output: list[int], n_max: int, k: int
+                   ) -> list[Candidates]:
+    """Candidates at every output position of one answer."""
+    seq = prompt + output
+    rows = []
+    for t in range(len(output)):
+        pos = len(prompt) + t
+        first = second = None  # (tail length, end of the occurrence)
+        ends_first: list[int] = []
+        for n in range(min(n_max, pos - 1), 0, -1):
+            tail = seq[pos - n : pos]
+            ends = [e for e in range(n, pos) if seq[e - n : e] == tail]
+            for e in reversed(ends):
+                if first is None:
+                    first, ends_first = (n, e), ends
+                elif second is None and seq[e] != seq[first[1]]:
+                    second = (n, e)
+            if second is not None:
+                break
+
+        n, available, accepted = _scored(seq, output, first, k, pos, t)
+        n2, available2, accepted2 = _scored(seq, output, second, k, pos, t)
+        context = agreement_back(seq, first[1], pos) if first else 0
+        share = (sum(seq[e] == seq[first[1]] for e in ends_first) / len(ends_first)
+                 if first else 0.0)
+        rows.append(Candidates(n, available, accepted, context, share, n2, available2,
+                               accepted2))
+    return rows
+
+
+def _scored(seq: list[int], output: list[int], found: tuple[int, int] | None, k: int, pos: int,
+            t: int) -> tuple[int, int, int]:
+    """(tail length, proposal length, accepted) of the occurrence found = (tail length, end)."""
+    if found is None:
+        return 0, 0, 0
+    proposal = seq[found[1] : min(found[1] + k, pos)]
+    return found[0], len(proposal), agreement(proposal, output, t)
+
+
+def agreement_back(seq: list[int], a: int, b: int, limit: int = 64) -> int:
+    """How many tokens before positions a and b agree (the context a proposal's occurrence
+    shares with the current position)."""
+    m = 0
+    while m < limit and a - 1 - m >= 0 and seq[a - 1 - m] == seq[b - 1 - m]:
+        m += 1
+    return m
+
+
+def context_class(c: Candidates) -> tuple[int, int]:
+    """A feature class: shared context in 7 buckets x agreement of the occurrences in 3."""
+    shared = next(i for i, top in enumerate((1, 2, 3, 5, 9, 20, 10**9)) if c.context <= top)
+    agree = 0 if c.agreement < 0.5 else 1 if c.agreement < 0.99 else 2
+    return shared, agree
+
+
+def class_rule_cost(rows: list[Candidates], cost: dict[int, float], table: dict,
+                    second: dict | None = None) -> float:
+    """Total pass cost when a proposal in feature class f verifies table[f] tokens, plus
+    (second) second[(n, n2)] tokens of the second candidate: a tree of two branches, all its
+    rows paid for, the longer accepted branch taken."""
+    t, total = 0, 0.0
+    while t < len(rows):
+        c = rows[t]
+        left = len(rows) - 1 - t
+        j = min(table.get(context_class(c) if second is None else c.n, 0), c.available, left)
+        j = j if c.n else 0
+        j2 = (min(second.get((c.n, c.n2), 0), c.available2, left)
+              if second is not None and c.n2 and j else 0)
+        total += cost[j + j2 + 1]
+        t += max(min(c.accepted, j), min(c.accepted2, j2)) + 1
+    return total
+
+
+def fit_tables(rows: list[list[Candidates]], cost: dict[int, float], k: int,
+               tables: list[dict], rounds: int = 3) -> float:
+    """Coordinate descent over the tables' entries (0..k tokens each), in place; returns the
+    fitted total cost."""
+    def total() -> float:
+        return sum(class_rule_cost(r, cost, *tables) for r in rows)
+
+    best = total()
+    for _ in range(rounds):
+        for table in tables:
+            for key in list(table):
+                for j in range(k + 1):
+                    old, table[key] = table[key], j
+                    value = total()
+                    if value < best - 1e-12:
+                        best = value
+                    else:
+                        table[key] = old
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt (as the "
@@ -270,6 +383,19 @@ def main() -> None:
         replayed = plain_cost / policy_cost(recent_by_k[k], cost, k)
         print(f"the engine's adaptive policy replayed on these proposals (k = {k}): "
               f"{replayed:.3f}x")
+    k = 8
+    rows = [candidate_rows(p, o, args.ngram_max, k) for p, o in zip(prompts, outputs,
+                                                                      strict=True)]
+    by_class = {(a, b): 3 for a in range(7) for b in range(3)}
+    fitted = fit_tables(rows, cost, k, [by_class])
+    print(f"best rule by shared context x agreement of the occurrences (21 classes fitted to "
+          f"this data, k <= {k}): {plain_cost / fitted:.3f}x")
+    first = {n: 3 for n in range(1, args.ngram_max + 1)}
+    second = {(a, b): 0 for a in first for b in first if b <= a}
+    fitted = fit_tables(rows, cost, k, [first, second])
+    print(f"best tree of two candidates (the proposal + the most recent occurrence with "
+          f"another next token; tokens per branch by match lengths, fitted, every row paid "
+          f"for): {plain_cost / fitted:.3f}x")
 
     print('\n"[suffix]" proposals (vLLM\'s default options), the same output:\n')
     print("| k | hindsight | verify every proposal whole | adaptive policy replayed |")

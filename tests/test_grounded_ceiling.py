@@ -82,3 +82,28 @@ def test_verifying_every_proposal_whole_pays_for_its_rejected_rows():
     rows = [(1, 4, 0), (3, 4, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
     assert ceiling.verify_all_cost(rows, LINEAR) == ceiling.rule_cost(rows, LINEAR, (0, 4, 4, 4, 4))
     assert ceiling.verify_all_cost(rows, FREE) == 3.0  # steps at t = 0, 1 (emits 5), 6
+
+
+def test_candidate_rows_find_a_second_branch_and_score_both():
+    # tail [1]: the most recent occurrence is followed by 5 (wrong here), an older one by 3 4
+    prompt = [7, 1, 3, 4, 8, 1, 5]
+    output = [1, 3, 4]
+    rows = ceiling.candidate_rows(prompt, output, n_max=1, k=4)
+    at1 = rows[1]  # output[:1] known: tail [1]
+    assert (at1.n, at1.accepted) == (1, 0)  # proposes 5 ...
+    assert (at1.n2, at1.accepted2) == (1, 2)  # ... and the branch 3 4 would be accepted
+    assert at1.agreement == 0.5  # of [1]'s two earlier occurrences, one is followed by 5
+    # as a tree (2 tokens of each branch) the step takes the accepted branch
+    table, second = {1: 2}, {(1, 1): 2}
+    tree = ceiling.class_rule_cost(rows[1:], FREE, table, second)
+    chain = ceiling.class_rule_cost(rows[1:], FREE, table, {(1, 1): 0})
+    assert tree == 1.0 and chain == 2.0  # 3 tokens in one pass, against 1 + 2
+
+
+def test_fit_tables_never_does_worse_than_its_start():
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 9, 9]
+    output = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    rows = [ceiling.candidate_rows(prompt, output, n_max=2, k=4)]
+    table = {(a, b): 3 for a in range(7) for b in range(3)}
+    start = sum(ceiling.class_rule_cost(r, LINEAR, table) for r in rows)
+    assert ceiling.fit_tables(rows, LINEAR, 4, [table]) <= start
