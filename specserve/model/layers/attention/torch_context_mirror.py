@@ -114,8 +114,8 @@ class MirrorStep:
     # Compaction that brings a layer from version - 1 to version, applied in each layer's first
     # call of the step (the plan is made once per step, the buffers are per layer).
     moves: list[Move] = field(default_factory=list)
-    # layer's cache pointer -> its (K, V) rows for this step: an extend step asks twice per
-    # layer (write, then read), and slicing views costs more than a dict probe
+    # layer's cache pointer -> its views for this step (_LayerBuffers.rows): an extend step
+    # asks twice per layer (write, then read), and even a kept view costs more than a probe
     _views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def buffers(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

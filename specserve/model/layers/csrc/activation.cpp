@@ -45,7 +45,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       const float* gate = src + r * ld;
       const float* up = gate + inter;
       float* o = dst + r * inter;
-      for (int64_t i = 0; i < vec_end; i += 16) store16(o + i, silu_mul16(load16(gate + i), load16(up + i)));
+      for (int64_t i = 0; i < vec_end; i += 16)
+        store16(o + i, silu_mul16(load16(gate + i), load16(up + i)));
       if (vec_end < inter) {  // the tail, through one padded vector
         float g[16] = {}, u[16] = {}, y[16];
         const int64_t n = inter - vec_end;
