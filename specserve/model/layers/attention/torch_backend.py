@@ -334,7 +334,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.mirror = ContextMirror()  # decode context kept across steps (see its module)
-        # per layer (its k_cache's address): see _kernel_layer
+        # per layer (its k_cache's address): see _cache_views
         self._kernel_layers: dict[int, tuple] = {}
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -387,13 +387,12 @@ class TorchAttentionBackend(AttentionBackend):
         """The C++ rotary + KV write of a float32 qkv [T, (H + 2 KvH) D] with full-width
         rotation; cos, sin [T, D / 2]; layout None when called outside a prepared step.
         Returns the rotated queries [T, H, D]."""
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
-        self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
+        k_flat, v_flat, kv_heads = self._cache_views(k_cache, v_cache)
+        num_heads = qkv.shape[1] // k_cache.shape[3] - 2 * kv_heads
         extra = None if layout is None else layout.extra_kv_rows(k_cache)
         return cpu_kernels.load().rope_write_kv(
-            qkv, cos, sin, num_heads, kv_heads, k_cache.view(-1, kv_heads, head_dim),
-            v_cache.view(-1, kv_heads, head_dim), slots, *(extra or ()))  # [T, H, D]
+            qkv, cos, sin, num_heads, kv_heads, k_flat, v_flat, slots,
+            *(extra or ()))  # [T, H, D]
 
     def write_kv(self, key, value, k_cache, v_cache, meta) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
@@ -441,7 +440,7 @@ class TorchAttentionBackend(AttentionBackend):
         verification step): the same two C++ calls with the same arguments as run() above,
         without building them again in every layer. The mirror's views come from
         MirrorStep.kernel_views (kept across steps while the batch's rows stay put), a
-        cache's flattened views and head counts are kept per layer, and the attention reads
+        cache's flattened views and head count from _cache_views, and the attention reads
         the mirror rows whole (run_attention reads each sequence's keys up to its length,
         so this is the same computation as through context()'s views, which stop at the
         longest length). In SmolLM2's decode step this Python cost 18 us per layer, ~0.5 ms
@@ -452,14 +451,10 @@ class TorchAttentionBackend(AttentionBackend):
 
         def run(qkv: torch.Tensor, attention) -> torch.Tensor:
             k_cache = attention.k_cache
-            known = self._kernel_layers.get(k_cache.data_ptr())
-            if known is None or known[0] is not k_cache:
-                if not (k_cache.dtype == torch.float32 and k_cache.shape[3] == head_dim):
-                    return attention.forward_packed(qkv, rotary, rope, meta)
-                known = self._kernel_layer(k_cache, attention.v_cache)
-            if not (qkv.dtype == torch.float32 and qkv.is_contiguous()):
+            if not (qkv.dtype == k_cache.dtype == torch.float32 and qkv.is_contiguous()
+                    and k_cache.shape[3] == head_dim):
                 return attention.forward_packed(qkv, rotary, rope, meta)
-            _, k_flat, v_flat, kv_heads = known
+            k_flat, v_flat, kv_heads = self._cache_views(k_cache, attention.v_cache)
             k_rows, v_rows, k_ctx, v_ctx = step.kernel_views(k_cache)
             query = kernels.rope_write_kv(qkv, cos, sin, qkv.shape[1] // head_dim - 2 * kv_heads,
                                           kv_heads, k_flat, v_flat, slots, k_rows, v_rows,
@@ -470,11 +465,15 @@ class TorchAttentionBackend(AttentionBackend):
 
         return run
 
-    def _kernel_layer(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-        """(k_cache, its and v_cache's [slots, KvH, D] views, KvH), kept per layer."""
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
-        known = (k_cache, k_cache.view(-1, kv_heads, head_dim),
-                 v_cache.view(-1, kv_heads, head_dim), kv_heads)
-        self._kernel_layers[k_cache.data_ptr()] = known
-        return known
+    def _cache_views(self, k_cache: torch.Tensor, v_cache: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A layer's K and V caches as [slots, KvH, D] views, and KvH: made on the layer's
+        first call and kept (the caches live as long as the runner)."""
+        known = self._kernel_layers.get(k_cache.data_ptr())
+        if known is None or known[0] is not k_cache:
+            kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            self.mirror.cache_tokens = k_cache.shape[0] * k_cache.shape[1]
+            known = self._kernel_layers[k_cache.data_ptr()] = (
+                k_cache, k_cache.view(-1, kv_heads, head_dim),
+                v_cache.view(-1, kv_heads, head_dim), kv_heads)
+        return known[1:]
