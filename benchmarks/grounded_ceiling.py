@@ -36,6 +36,7 @@ import itertools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,16 +283,22 @@ def context_class(c: Candidates) -> tuple[int, int]:
     return shared, agree
 
 
+def match_length(c: Candidates) -> int:
+    """The feature class of a rule by match length alone."""
+    return c.n
+
+
 def class_rule_cost(rows: list[Candidates], cost: dict[int, float], table: dict,
-                    second: dict | None = None) -> float:
-    """Total pass cost when a proposal in feature class f verifies table[f] tokens, plus
-    (second) second[(n, n2)] tokens of the second candidate: a tree of two branches, all its
-    rows paid for, the longer accepted branch taken."""
+                    second: dict | None = None,
+                    key: Callable[[Candidates], object] = context_class) -> float:
+    """Total pass cost when a proposal in feature class key(c) verifies table[key(c)] tokens,
+    plus (second) second[(n, n2)] tokens of the second candidate: a tree of two branches, all
+    its rows paid for, the longer accepted branch taken."""
     t, total = 0, 0.0
     while t < len(rows):
         c = rows[t]
         left = len(rows) - 1 - t
-        j = min(table.get(context_class(c) if second is None else c.n, 0), c.available, left)
+        j = min(table.get(key(c), 0), c.available, left)
         j = j if c.n else 0
         j2 = (min(second.get((c.n, c.n2), 0), c.available2, left)
               if second is not None and c.n2 and j else 0)
@@ -301,23 +308,25 @@ def class_rule_cost(rows: list[Candidates], cost: dict[int, float], table: dict,
 
 
 def fit_tables(rows: list[list[Candidates]], cost: dict[int, float], k: int,
-               tables: list[dict], rounds: int = 3) -> float:
-    """Coordinate descent over the tables' entries (0..k tokens each), in place; returns the
-    fitted total cost."""
+               tables: list[dict], key: Callable[[Candidates], object] = context_class,
+               rounds: int = 3) -> float:
+    """Coordinate descent over the entries (0..k tokens each) of class_rule_cost's tables
+    (the first, then the second candidate's if given), in place; returns the fitted total
+    cost."""
     def total() -> float:
-        return sum(class_rule_cost(r, cost, *tables) for r in rows)
+        return sum(class_rule_cost(r, cost, *tables, key=key) for r in rows)
 
     best = total()
     for _ in range(rounds):
         for table in tables:
-            for key in list(table):
+            for entry in list(table):
                 for j in range(k + 1):
-                    old, table[key] = table[key], j
+                    old, table[entry] = table[entry], j
                     value = total()
                     if value < best - 1e-12:
                         best = value
                     else:
-                        table[key] = old
+                        table[entry] = old
     return best
 
 
@@ -392,7 +401,7 @@ def main() -> None:
           f"this data, k <= {k}): {plain_cost / fitted:.3f}x")
     first = {n: 3 for n in range(1, args.ngram_max + 1)}
     second = {(a, b): 0 for a in first for b in first if b <= a}
-    fitted = fit_tables(rows, cost, k, [first, second])
+    fitted = fit_tables(rows, cost, k, [first, second], key=match_length)
     print(f"best tree of two candidates (the proposal + the most recent occurrence with "
           f"another next token; tokens per branch by match lengths, fitted, every row paid "
           f"for): {plain_cost / fitted:.3f}x")

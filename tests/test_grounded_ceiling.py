@@ -95,8 +95,9 @@ def test_candidate_rows_find_a_second_branch_and_score_both():
     assert at1.agreement == 0.5  # of [1]'s two earlier occurrences, one is followed by 5
     # as a tree (2 tokens of each branch) the step takes the accepted branch
     table, second = {1: 2}, {(1, 1): 2}
-    tree = ceiling.class_rule_cost(rows[1:], FREE, table, second)
-    chain = ceiling.class_rule_cost(rows[1:], FREE, table, {(1, 1): 0})
+    by_n = ceiling.match_length
+    tree = ceiling.class_rule_cost(rows[1:], FREE, table, second, key=by_n)
+    chain = ceiling.class_rule_cost(rows[1:], FREE, table, {(1, 1): 0}, key=by_n)
     assert tree == 1.0 and chain == 2.0  # 3 tokens in one pass, against 1 + 2
 
 
