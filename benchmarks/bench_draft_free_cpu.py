@@ -23,8 +23,10 @@ tokens per request:
   generated tokens / wall time, the best of 4 interleaved rounds; specserve only
   (transformers' prompt lookup supports batch 1 only).
 
-Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), and "[suffix]"
-as ``LLM(speculative_model="[suffix]")`` configures it (k = its max tree depth, 24, as vLLM).
+Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), "[ngram]" with
+``ngram_prompt_lookup_aligned=True`` (the occurrence the answer is copying, spec_decode/ngram.py)
+at the same k, and "[suffix]" as ``LLM(speculative_model="[suffix]")`` configures it (k = its
+max tree depth, 24, as vLLM).
 For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
 (tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
 are printed from the engine's counters. A second plain engine (the A/A control, built last;
@@ -253,6 +255,10 @@ def main() -> None:
         "specserve": Ours(**quant),
         f'specserve "[ngram]" k={k}': Ours(speculative_model="[ngram]", num_speculative_tokens=k,
                                           ngram_prompt_lookup_max=NGRAM_MAX, **quant),
+        # the same, choosing the occurrence the answer is copying (spec_decode/ngram.py)
+        f'specserve "[ngram]" aligned k={k}': Ours(
+            speculative_model="[ngram]", num_speculative_tokens=k,
+            ngram_prompt_lookup_max=NGRAM_MAX, ngram_prompt_lookup_aligned=True, **quant),
         f'specserve "[suffix]" k={k}': Ours(speculative_model="[suffix]",
                                            num_speculative_tokens=k, **quant),
         # as a vLLM user runs it: without num_speculative_tokens, suffix decoding proposes up

@@ -53,7 +53,8 @@ from bench_draft_free_cpu import (  # noqa: E402
 from specserve.engine.sequence import Sequence, SequenceStatus  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.spec_decode.adaptive import AdaptiveSpeculation  # noqa: E402
-from specserve.spec_decode.ngram import NgramIndex  # noqa: E402
+from specserve.spec_decode.evidence import ALIGNED  # noqa: E402
+from specserve.spec_decode.ngram import AlignedNgramIndex, NgramIndex  # noqa: E402
 from specserve.spec_decode.spec_config import SpeculativeConfig  # noqa: E402
 from specserve.spec_decode.suffix import SuffixProposer  # noqa: E402
 from specserve.worker.model_runner import SequenceRun  # noqa: E402
@@ -94,12 +95,14 @@ def agreement(proposal: list[int], output: list[int], t: int) -> int:
 
 
 def accepted_runs(prompt: list[int], output: list[int], n_max: int, k: int,
-                  oracle: bool) -> list[tuple[int, int, int]]:
+                  oracle: bool, aligned: bool = False) -> list[tuple[int, int, int]]:
     """Per output position t: (matched tail length n, proposal length, accepted tokens) of
     the proposal made with output[:t] known (oracle: the best earlier occurrence of any tail
-    of length <= n_max; n then is 0)."""
+    of length <= n_max; n then is 0). aligned: "[ngram]" with ngram_prompt_lookup_aligned
+    (ngram.AlignedNgramIndex); n then is the proposal's evidence (evidence.ALIGNED set when
+    the copy alignment chose its occurrence)."""
     seq = prompt + output
-    index = NgramIndex(n_max, 1)
+    index = AlignedNgramIndex(n_max, 1, len(prompt)) if aligned else NgramIndex(n_max, 1)
     rows = []
     for t in range(len(output)):
         pos = len(prompt) + t
@@ -165,8 +168,9 @@ def hindsight_cost(rows: list[tuple[int, int, int]], cost: dict[int, float]) -> 
 
 
 def rule_cost(rows: list[tuple[int, int, int]], cost: dict[int, float],
-              table: tuple[int, ...]) -> float:
-    """Total pass cost when a match of length n proposes table[n] tokens (0: none)."""
+              table: tuple[int, ...] | dict[int, int]) -> float:
+    """Total pass cost when a match of length n proposes table[n] tokens (0: none); n may
+    be an evidence int (aligned proposals) with table a dict by it."""
     t, total = 0, 0.0
     while t < len(rows):
         n, available, accepted = rows[t]
@@ -405,6 +409,27 @@ def main() -> None:
     print(f"best tree of two candidates (the proposal + the most recent occurrence with "
           f"another next token; tokens per branch by match lengths, fitted, every row paid "
           f"for): {plain_cost / fitted:.3f}x")
+
+    print('\n"[ngram]" with ngram_prompt_lookup_aligned (the occurrence next to the copy '
+          "anchor, see spec_decode/ngram.py), the same output:\n")
+    print("| k | hindsight | positions with nothing accepted | best rule by evidence class "
+          "(fitted) | adaptive policy replayed |")
+    print("|---:|---:|---:|---:|---:|")
+    for k in (5, 8):
+        rows = [accepted_runs(p, o, args.ngram_max, k, False, aligned=True)
+                for p, o in zip(prompts, outputs, strict=True)]
+        zero = 100 * sum(a == 0 for rs in rows for _, _, a in rs) / plain_cost
+        table = {n: 3 for rs in rows for n, _, _ in rs if n}
+        for _ in range(3):  # coordinate descent over the classes' token counts
+            for n in list(table):
+                table[n] = min(range(k + 1), key=lambda j, n=n: sum(
+                    rule_cost(r, cost, {**table, n: j}) for r in rows))
+        fitted = plain_cost / sum(rule_cost(r, cost, table) for r in rows)
+        named = {f"{n & (ALIGNED - 1)}{'a' if n & ALIGNED else ''}": j
+                 for n, j in sorted(table.items())}
+        print(f"| {k} | {plain_cost / sum(hindsight_cost(r, cost) for r in rows):.3f}x | "
+              f"{zero:.0f} % | {fitted:.3f}x {named} | "
+              f"{plain_cost / policy_cost(rows, cost, k):.3f}x |")
 
     print('\n"[suffix]" proposals (vLLM\'s default options), the same output:\n')
     print("| k | hindsight | verify every proposal whole | adaptive policy replayed |")

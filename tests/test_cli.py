@@ -53,6 +53,7 @@ ROUND_TRIP: dict[str, tuple[list[str], object]] = {
                            {"model": "[ngram]", "prompt_lookup_max": 3}),
     "ngram_prompt_lookup_max": (["4"], 4),
     "ngram_prompt_lookup_min": (["2"], 2),
+    "ngram_prompt_lookup_aligned": ([], True),
     "speculative_draft_tensor_parallel_size": (["1"], 1),
     "speculative_max_model_len": (["256"], 256),
     "speculative_disable_by_batch_size": (["4"], 4),

@@ -8,9 +8,11 @@ from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.evidence import (
     DECAY,
     EXACT_CLASSES,
+    LENGTH_CLASSES,
     NUM_CLASSES,
     PRIOR_WEIGHT,
     EvidenceAcceptance,
+    aligned_evidence,
     evidence_class,
 )
 
@@ -22,7 +24,22 @@ def test_classes_are_exact_for_short_matches_and_buckets_after():
         range(EXACT_CLASSES + 1))
     longer = [evidence_class(m) for m in range(EXACT_CLASSES + 1, 200)]
     assert longer == sorted(longer) and longer[0] == EXACT_CLASSES + 1  # monotone buckets
-    assert max(longer) == NUM_CLASSES - 1 and evidence_class(24) < evidence_class(64)
+    assert max(longer) == LENGTH_CLASSES - 1 and evidence_class(24) < evidence_class(64)
+
+
+def test_aligned_proposals_have_classes_of_their_own():
+    """The same match lengths chosen by the copy alignment map one to one onto a second range
+    of classes, so their acceptance is learned apart from the most recent occurrence's."""
+    plain = [evidence_class(m) for m in range(1, 200)]
+    aligned = [evidence_class(aligned_evidence(m)) for m in range(1, 200)]
+    assert aligned == [c + LENGTH_CLASSES for c in plain]
+    assert max(aligned) == NUM_CLASSES - 1
+    ev = EvidenceAcceptance()
+    for _ in range(20):
+        ev.record(aligned_evidence(1), 2, 2)
+        ev.record(1, 2, 0)
+    assert ev.gains(aligned_evidence(1), [0.5, 0.5], 2)[1] > 0.8
+    assert ev.gains(1, [0.5, 0.5], 2)[0] < 0.1
 
 
 def test_without_data_a_class_gives_the_sequences_own_averages():

@@ -42,16 +42,31 @@ DECAY = 0.98  # per proposal of a class: its counts weigh the last ~50 of them
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the sequence's own averages in every rate
 MAX_DEPTH = 32  # depths tracked per class; deeper proposals use the deepest rate
 EXACT_CLASSES = 8  # match lengths 1..8 are classes of their own, longer ones share buckets
-NUM_CLASSES = EXACT_CLASSES + 2 + int(2 * math.log2(64 / EXACT_CLASSES))  # buckets to 64
+LENGTH_CLASSES = EXACT_CLASSES + 2 + int(2 * math.log2(64 / EXACT_CLASSES))  # buckets to 64
+NUM_CLASSES = 2 * LENGTH_CLASSES  # ... and the same again for aligned proposals
+# Flag bit of an evidence int: the proposal's occurrence was chosen by the copy alignment
+# (ngram.AlignedNgramIndex), not as the most recent one. After a 1-token match such an
+# occurrence was accepted 3-4x as often as the most recent one (ngram.py), so the two share
+# no class. Evidence travels as one int (match length | flag) from the proposer through the
+# driver to the policy, like the plain match length it extends.
+ALIGNED = 1 << 16
 
 
-def evidence_class(match_length: int) -> int:
-    """The class of a match length: itself up to EXACT_CLASSES, then ~41 % wide buckets
-    (9-11, 12-15, 16-22, 23-31, ...), the last one open from 64 (0: no match)."""
+def aligned_evidence(match_length: int) -> int:
+    """The evidence of a proposal whose occurrence the copy alignment chose."""
+    return match_length | ALIGNED
+
+
+def evidence_class(evidence: int) -> int:
+    """The class of a proposal's evidence: its match length itself up to EXACT_CLASSES, then
+    ~41 % wide buckets (9-11, 12-15, 16-22, 23-31, ...), the last one open from 64 (0: no
+    match); aligned proposals (ALIGNED) in a second, equal range of classes."""
+    offset = LENGTH_CLASSES if evidence & ALIGNED else 0
+    match_length = evidence & (ALIGNED - 1) if evidence > 0 else 0
     if match_length <= EXACT_CLASSES:
-        return max(match_length, 0)
+        return offset + match_length if match_length > 0 else 0
     bucket = int(2 * math.log2(match_length / EXACT_CLASSES))
-    return min(EXACT_CLASSES + 1 + bucket, NUM_CLASSES - 1)
+    return offset + min(EXACT_CLASSES + 1 + bucket, LENGTH_CLASSES - 1)
 
 
 @dataclass

@@ -59,7 +59,8 @@ def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, n
     """max_model_len: the speculative length limit (a draft computes no position past it)."""
     check_implemented(spec)
     if spec.method == "ngram":
-        return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min)
+        return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min,
+                             spec.ngram_prompt_lookup_aligned)
     if spec.method == "suffix":
         return SuffixProposer(spec.suffix_decoding_max_tree_depth,
                               spec.suffix_decoding_max_cached_requests,

@@ -19,6 +19,7 @@ SUFFIX_OPTIONS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_
 _V1_ALIASES = {"model": "model", "num_speculative_tokens": "num_speculative_tokens",
                "method": "method", "prompt_lookup_max": "ngram_prompt_lookup_max",
                "prompt_lookup_min": "ngram_prompt_lookup_min",
+               "prompt_lookup_aligned": "ngram_prompt_lookup_aligned",
                "draft_tensor_parallel_size": "draft_tensor_parallel_size",
                "max_model_len": "max_model_len",
                "disable_by_batch_size": "disable_by_batch_size",
@@ -46,6 +47,9 @@ class SpeculativeConfig:
     model: str | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    # '[ngram]' prefers the occurrence the answer is copying (ngram.AlignedNgramIndex); off:
+    # vLLM's rule, the most recent occurrence
+    ngram_prompt_lookup_aligned: bool = False
     draft_tensor_parallel_size: int = 1
     max_model_len: int | None = None
     disable_by_batch_size: int | None = None
@@ -73,6 +77,12 @@ class SpeculativeConfig:
             if lo is not None and (not isinstance(lo, int) or not 1 <= lo <= hi):
                 _fail(f"ngram_prompt_lookup_min={lo!r} must be an int in [1, "
                       f"ngram_prompt_lookup_max={hi}].")
+        if not isinstance(self.ngram_prompt_lookup_aligned, bool):
+            _fail(f"ngram_prompt_lookup_aligned={self.ngram_prompt_lookup_aligned!r} must be "
+                  "True or False.")
+        if self.ngram_prompt_lookup_aligned and self.method != "ngram":
+            _fail("ngram_prompt_lookup_aligned applies to '[ngram]' only, not to method "
+                  f"{self.method!r}.")
         if self.method == "draft_model" and not self.model:
             _fail("a draft model path is required for method 'draft_model'.")
         if self.draft_tensor_parallel_size != 1:
@@ -119,6 +129,7 @@ class SpeculativeConfig:
         speculative_config: dict[str, Any] | None = None,
         ngram_prompt_lookup_max: int | None = None,
         ngram_prompt_lookup_min: int | None = None,
+        ngram_prompt_lookup_aligned: bool = False,
         speculative_draft_tensor_parallel_size: int | None = None,
         speculative_max_model_len: int | None = None,
         speculative_disable_by_batch_size: int | None = None,
@@ -139,6 +150,7 @@ class SpeculativeConfig:
             "num_speculative_tokens": num_speculative_tokens,
             "ngram_prompt_lookup_max": ngram_prompt_lookup_max,
             "ngram_prompt_lookup_min": ngram_prompt_lookup_min,
+            "ngram_prompt_lookup_aligned": ngram_prompt_lookup_aligned,
             "draft_tensor_parallel_size": speculative_draft_tensor_parallel_size or 1,
             "max_model_len": speculative_max_model_len,
             "disable_by_batch_size": speculative_disable_by_batch_size,
