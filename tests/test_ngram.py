@@ -99,6 +99,11 @@ def test_aligned_lookup_follows_the_occurrence_being_copied():
     assert aligned.match(tokens, 5) == ([4, 5, 6, 7, 8], aligned_evidence(1))
     assert _aligned_search(tokens, len(prompt), 3, 1, 5) == ([4, 5, 6, 7, 8],
                                                             aligned_evidence(1))
+    # the anchor is right after "def" (index 2); the "(" it finds is followed at index 4: within
+    # a window of 2, past one of 1 (then the most recent occurrence, as vLLM's rule)
+    assert AlignedNgramIndex(3, 1, len(prompt), window=2).match(tokens, 2) == (
+        [4, 5], aligned_evidence(1))
+    assert AlignedNgramIndex(3, 1, len(prompt), window=1).match(tokens, 2) == ([10, 7], 1)
     # before anything was copied there is no anchor: the aligned lookup is vLLM's rule
     fresh = prompt + [20, 3]
     assert AlignedNgramIndex(3, 1, start=len(prompt)).match(fresh, 5) == (
