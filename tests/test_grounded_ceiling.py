@@ -35,6 +35,22 @@ def test_oracle_finds_an_older_occurrence_the_most_recent_one_misses():
     assert recent[1][2] == 0 and oracle[1][2] == 2
 
 
+def test_aligned_runs_follow_the_copy_and_carry_the_aligned_flag():
+    """The rename case of test_ngram: after "\\n def" was copied and "g" replaced "f", the
+    tail "(" is looked up next to the copy anchor (accepting "a , b ) :"), where the most
+    recent occurrence proposes "y ) ..." (nothing accepted)."""
+    from specserve.spec_decode.evidence import ALIGNED
+
+    prompt = [11, 1, 2, 3, 4, 5, 6, 7, 8, 30, 9, 3, 10, 7, 12, 11]
+    output = [1, 20, 3, 4, 5, 6, 7, 8]
+    recent = ceiling.accepted_runs(prompt, output, n_max=3, k=5, oracle=False)
+    aligned = ceiling.accepted_runs(prompt, output, n_max=3, k=5, oracle=False, aligned=True)
+    assert recent[3][2] == 0
+    assert aligned[3] == (1 | ALIGNED, 5, 5)
+    every = {n: 5 for n, _, _ in recent + aligned if n}  # a rule by evidence: 5 after any
+    assert ceiling.rule_cost(aligned, LINEAR, every) < ceiling.rule_cost(recent, LINEAR, every)
+
+
 def test_hindsight_cost_with_free_rows_counts_steps():
     # accepted runs: at t = 0 three tokens, then nothing: steps emit 4, then 1, 1
     rows = [(2, 5, 3), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
