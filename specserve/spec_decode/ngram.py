@@ -26,9 +26,9 @@ SmolLM2's greedy answers to 64 HumanEval edit prompts (k <= 8, a static rule per
 this CPU's pass cost by rows) the positions where nothing of the proposal is accepted went from
 40.6 % to 34.4 % on the benchmark's 6 batch-1 prompts (30.6 to 26.5 % on the other 58), and the
 speedup of the best rule from 1.78x to 1.93x (2.03 to 2.14x on the other 58; 1.20x on chat
-prompts either way). Its proposals carry ``evidence.ALIGNED``: after a 1-token match an aligned
-occurrence is accepted far more often than the most recent one, and the policy learns the two
-apart. Off by default: "[ngram]" then proposes exactly what vLLM's prompt lookup does.
+prompts either way). Its proposals carry ``evidence.ALIGNED``: after a 1-token match the first
+proposed token of an aligned occurrence was accepted 32 % of the time there, of a most recent
+one 12 %, and the policy learns the two apart. Off by default: "[ngram]" then proposes exactly what vLLM's prompt lookup does.
 """
 
 from __future__ import annotations
