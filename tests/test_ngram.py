@@ -184,6 +184,23 @@ def test_ngram_greedy_equals_plain_and_accepts_repetition(tiny_llama, test_promp
     assert aligned.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
 
 
+def test_aligned_evidence_reaches_the_policy_classes(tiny_llama, test_prompts):
+    """End to end with the adaptive policy on: the aligned proposals' evidence travels through
+    the driver into classes of their own (evidence.ALIGNED), and the output stays plain
+    decoding's."""
+    from specserve.spec_decode.evidence import LENGTH_CLASSES
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    repetitive = [" ".join([p] * 3) for p in test_prompts[:4]]
+    plain = tiny_llm(tiny_llama).generate(repetitive, params, use_tqdm=False)
+    llm = tiny_llm(tiny_llama, speculative_model="[ngram]", num_speculative_tokens=4,
+                   ngram_prompt_lookup_max=3, ngram_prompt_lookup_aligned=True)
+    out = llm.generate(repetitive, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    reached = llm.llm_engine.speculation.adaptive.evidence.reached  # [class, depth]
+    assert reached[LENGTH_CLASSES:, 0].sum() > 0  # aligned classes learned something
+
+
 def test_ngram_sampled_requests_work(tiny_llama, test_prompts):
     llm = tiny_llm(tiny_llama, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
