@@ -25,8 +25,8 @@ tokens per request:
 
 Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), "[ngram]" with
 ``ngram_prompt_lookup_aligned=True`` (the occurrence the answer is copying, spec_decode/ngram.py)
-at the same k and at k = 8, and "[suffix]" as ``LLM(speculative_model="[suffix]")`` configures it (k = its
-max tree depth, 24, as vLLM).
+at the same k and at k = 8, and "[suffix]" as ``LLM(speculative_model="[suffix]")`` configures
+it (k = its max tree depth, 24, as vLLM).
 For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
 (tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
 are printed from the engine's counters. A second plain engine (the A/A control, built last;

@@ -314,12 +314,17 @@ def class_rule_cost(rows: list[Candidates], cost: dict[int, float], table: dict,
 def fit_tables(rows: list[list[Candidates]], cost: dict[int, float], k: int,
                tables: list[dict], key: Callable[[Candidates], object] = context_class,
                rounds: int = 3) -> float:
-    """Coordinate descent over the entries (0..k tokens each) of class_rule_cost's tables
-    (the first, then the second candidate's if given), in place; returns the fitted total
-    cost."""
-    def total() -> float:
-        return sum(class_rule_cost(r, cost, *tables, key=key) for r in rows)
+    """coordinate_descent over class_rule_cost's tables (the first, then the second
+    candidate's if given); returns the fitted total cost."""
+    return coordinate_descent(
+        tables, k, lambda: sum(class_rule_cost(r, cost, *tables, key=key) for r in rows), rounds)
 
+
+def coordinate_descent(tables: list[dict], k: int, total: Callable[[], float],
+                       rounds: int = 3) -> float:
+    """Coordinate descent over the entries (0..k tokens each) of tables, in place, lowering
+    total() (which reads them); an entry moves only to a strictly lower total. Returns the
+    lowest total found."""
     best = total()
     for _ in range(rounds):
         for table in tables:
@@ -419,12 +424,10 @@ def main() -> None:
         rows = [accepted_runs(p, o, args.ngram_max, k, False, aligned=True)
                 for p, o in zip(prompts, outputs, strict=True)]
         zero = 100 * sum(a == 0 for rs in rows for _, _, a in rs) / plain_cost
-        table = {n: 3 for rs in rows for n, _, _ in rs if n}
-        for _ in range(3):  # coordinate descent over the classes' token counts
-            for n in list(table):
-                table[n] = min(range(k + 1), key=lambda j, n=n: sum(
-                    rule_cost(r, cost, {**table, n: j}) for r in rows))
-        fitted = plain_cost / sum(rule_cost(r, cost, table) for r in rows)
+        table = {n: 3 for rs in rows for n, _, _ in rs if n}  # tokens per evidence class
+        fitted = plain_cost / coordinate_descent(
+            [table], k, lambda rows=rows, table=table: sum(rule_cost(r, cost, table)
+                                                            for r in rows))
         named = {f"{n & (ALIGNED - 1)}{'a' if n & ALIGNED else ''}": j
                  for n, j in sorted(table.items())}
         print(f"| {k} | {plain_cost / sum(hindsight_cost(r, cost) for r in rows):.3f}x | "

@@ -47,8 +47,9 @@ NUM_CLASSES = 2 * LENGTH_CLASSES  # ... and the same again for aligned proposals
 # Flag bit of an evidence int: the proposal's occurrence was chosen by the copy alignment
 # (ngram.AlignedNgramIndex), not as the most recent one. After a 1-token match such an
 # occurrence's first token was accepted 32 % of the time, a most recent one (none aligned) 12 %
-# (SmolLM2 on 64 HumanEval edit prompts), so the two share no class. Evidence travels as one int (match length | flag) from the proposer through the
-# driver to the policy, like the plain match length it extends.
+# (SmolLM2 on 64 HumanEval edit prompts), so the two share no class. Evidence travels as one
+# int (match length | flag) from the proposer through the driver to the policy, like the plain
+# match length it extends.
 ALIGNED = 1 << 16
 
 

@@ -28,7 +28,8 @@ this CPU's pass cost by rows) the positions where nothing of the proposal is acc
 speedup of the best rule from 1.78x to 1.93x (2.03 to 2.14x on the other 58; 1.20x on chat
 prompts either way). Its proposals carry ``evidence.ALIGNED``: after a 1-token match the first
 proposed token of an aligned occurrence was accepted 32 % of the time there, of a most recent
-one 12 %, and the policy learns the two apart. Off by default: "[ngram]" then proposes exactly what vLLM's prompt lookup does.
+one 12 %, and the policy learns the two apart. Off by default: "[ngram]" then proposes exactly
+what vLLM's prompt lookup does.
 """
 
 from __future__ import annotations
