@@ -291,6 +291,60 @@ void run_groups(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64
   }
 }
 
+// Weight groups [g0, g1) against m rows of x in two tile jobs per block (rows R and m - R), the
+// accumulators of both in registers. run_groups with two jobs keeps them in memory, and a
+// verification of 6-10 rows (3 parts) paid for it: over SmolLM2's matrices its kernel time was
+// 1.9 / 2.3x a 1-row pass at 6 / 9 rows against 1.3-1.4x at 5; this one 1.5 / 1.7x (in the
+// engine's passes less: Q4_1 time at 9 rows 9.9 -> 8.7 ms; BENCHMARKS.md "CPU, session 31").
+// Both jobs of a block are issued (C tiles 4-5, or 6-7 for odd blocks) before the previous block's
+// are stored and folded, so the tile unit works while the fold runs. Same bits as run_groups: each
+// row is folded block after block in the same order.
+template <typename Format, int Parts, int R>
+void run_two_jobs(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64_t m,
+                  const uint16_t* parts, const float* sums, float* yp, int64_t n) {
+  alignas(64) uint16_t bbuf[2][kBlock / 2 * kBlock];
+  alignas(64) float cbuf[2][kTileRows * kLanes];
+  __m512 acc[2 * R];
+  const __m512i table = code_table();
+  const int second = static_cast<int>(m - R);  // live rows of the second job
+  constexpr int64_t kSecondJob = R * Parts * kBlock;  // its parts, after the first job's
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int r = 0; r < 2 * R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* rec0 = wp + g * blocks * Format::kBytes;
+    auto finish = [&](int64_t b) {
+      if (b & 1) {
+        _tile_stored(6, cbuf[0], 64);
+        _tile_stored(7, cbuf[1], 64);
+      } else {
+        _tile_stored(4, cbuf[0], 64);
+        _tile_stored(5, cbuf[1], 64);
+      }
+      const uint8_t* rec = rec0 + b * Format::kBytes;
+      fold<Format, Parts, R>(cbuf[0], rec, sums + b, blocks, R, acc);
+      fold<Format, Parts, R>(cbuf[1], rec, sums + R * blocks + b, blocks, second, acc + R);
+    };
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* rec = rec0 + b * Format::kBytes;
+      const uint16_t* first = parts + b * 2 * R * Parts * kBlock;
+      prefetch_record<Format>(rec + kPrefetchRecords * Format::kBytes);
+      if (b & 1) {
+        Format::unpack(rec, bbuf[1], table);
+        _tile_loadd(1, bbuf[1], 64);
+        SPECSERVE_TILE_JOB(6, 2, 1, first);
+        SPECSERVE_TILE_JOB(7, 3, 1, first + kSecondJob);
+      } else {
+        Format::unpack(rec, bbuf[0], table);
+        _tile_loadd(0, bbuf[0], 64);
+        SPECSERVE_TILE_JOB(4, 2, 0, first);
+        SPECSERVE_TILE_JOB(5, 3, 0, first + kSecondJob);
+      }
+      if (b >= 1) finish(b - 1);
+    }
+    finish(blocks - 1);
+    for (int64_t r = 0; r < m; ++r) _mm512_storeu_ps(yp + r * n + g * kLanes, acc[r]);
+  }
+}
+
 // run_groups<Format, Parts, R> for the runtime row count rows (1..rows_per_tile(Parts)).
 template <typename Format, int Parts, int R = 1>
 void run_groups_for(int rows, int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks,
@@ -304,6 +358,8 @@ void run_groups_for(int rows, int64_t g0, int64_t g1, const uint8_t* wp, int64_t
     }
   }
   if (tiles == 1) run_groups<Format, Parts, R, true>(g0, g1, wp, blocks, m, 1, parts, sums, yp, n, acc);
+  else if (tiles == 2 && 2 * R <= kTileRows)  // both jobs' accumulators fit in registers
+    run_two_jobs<Format, Parts, R>(g0, g1, wp, blocks, m, parts, sums, yp, n);
   else run_groups<Format, Parts, R, false>(g0, g1, wp, blocks, m, tiles, parts, sums, yp, n, acc);
 }
 
