@@ -296,9 +296,9 @@ void run_groups(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64
 // verification of 6-10 rows (3 parts) paid for it: over SmolLM2's matrices its kernel time was
 // 1.9 / 2.3x a 1-row pass at 6 / 9 rows against 1.3-1.4x at 5; this one 1.5 / 1.7x (in the
 // engine's passes less: Q4_1 time at 9 rows 9.9 -> 8.7 ms; BENCHMARKS.md "CPU, session 31").
-// Both jobs of a block are issued (C tiles 4-5, or 6-7 for odd blocks) before the previous block's
-// are stored and folded, so the tile unit works while the fold runs. Same bits as run_groups: each
-// row is folded block after block in the same order.
+// Both jobs of a block (jobs 2b and 2b + 1: C tiles 4-5, or 6-7 for odd blocks) are issued
+// before the previous block's are stored and folded, so the tile unit works while the fold runs.
+// Same bits as run_groups: each row is folded block after block in the same order.
 template <typename Format, int Parts, int R>
 void run_two_jobs(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int64_t m,
                   const uint16_t* parts, const float* sums, float* yp, int64_t n) {
@@ -311,14 +311,9 @@ void run_two_jobs(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int
   for (int64_t g = g0; g < g1; ++g) {
     for (int r = 0; r < 2 * R; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t* rec0 = wp + g * blocks * Format::kBytes;
-    auto finish = [&](int64_t b) {
-      if (b & 1) {
-        _tile_stored(6, cbuf[0], 64);
-        _tile_stored(7, cbuf[1], 64);
-      } else {
-        _tile_stored(4, cbuf[0], 64);
-        _tile_stored(5, cbuf[1], 64);
-      }
+    auto finish = [&](int64_t b) {  // block b's jobs are 2b and 2b + 1
+      store_job(2 * b, cbuf[0]);
+      store_job(2 * b + 1, cbuf[1]);
       const uint8_t* rec = rec0 + b * Format::kBytes;
       fold<Format, Parts, R>(cbuf[0], rec, sums + b, blocks, R, acc);
       fold<Format, Parts, R>(cbuf[1], rec, sums + R * blocks + b, blocks, second, acc + R);
@@ -326,18 +321,12 @@ void run_two_jobs(int64_t g0, int64_t g1, const uint8_t* wp, int64_t blocks, int
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* rec = rec0 + b * Format::kBytes;
       const uint16_t* first = parts + b * 2 * R * Parts * kBlock;
+      const int slot = static_cast<int>(b & 1);
       prefetch_record<Format>(rec + kPrefetchRecords * Format::kBytes);
-      if (b & 1) {
-        Format::unpack(rec, bbuf[1], table);
-        _tile_loadd(1, bbuf[1], 64);
-        SPECSERVE_TILE_JOB(6, 2, 1, first);
-        SPECSERVE_TILE_JOB(7, 3, 1, first + kSecondJob);
-      } else {
-        Format::unpack(rec, bbuf[0], table);
-        _tile_loadd(0, bbuf[0], 64);
-        SPECSERVE_TILE_JOB(4, 2, 0, first);
-        SPECSERVE_TILE_JOB(5, 3, 0, first + kSecondJob);
-      }
+      Format::unpack(rec, bbuf[slot], table);
+      load_weights(slot, bbuf[slot]);
+      multiply_job(2 * b, slot, first);
+      multiply_job(2 * b + 1, slot, first + kSecondJob);
       if (b >= 1) finish(b - 1);
     }
     finish(blocks - 1);
