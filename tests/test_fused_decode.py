@@ -129,18 +129,19 @@ def test_gate_up_silu_matches_gemv_then_silu_mul(inter, cols, config, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
-                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("variant,block_n,block_k,per_program", [
+    ("fma", 2, 32, 0), ("fma", 4, 64, 0), ("dot", 16, 32, 0), ("dot", 32, 64, 0),
+    ("fma", 4, 32, 2), ("dot", 32, 64, 22)])
 @pytest.mark.parametrize("inter,cols", [(24, 64), (20, 70), (9, 20)])
 def test_gate_up_silu_rows_matches_gemv_rows_then_silu_mul(inter, cols, variant, block_n,
-                                                           block_k, dtype):
+                                                           block_k, per_program, dtype):
     """The multi-row fused kernel (verification steps) at M = 2..16, even and uneven shapes
     (activation tail, column tail), against gemv_rows then silu_mul: bit for bit where the
     interpreter's sums are row-order independent (fma); the interpreter's dot (numpy's matmul)
     may sum a permuted tile in another order, so there within float32 rounding, x16 for fp16."""
     gen = torch.Generator().manual_seed(inter + cols)
     weight = (torch.randn(2 * inter, cols, generator=gen) / cols**0.5).to(dtype)
-    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1)
+    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1, per_program)
     for num_m in (2, 3, 5, 9, 16):
         x = (torch.randn(num_m, 2 * cols, generator=gen) * 3).to(dtype)[:, :cols]  # strided
         out = gemv.gate_up_silu_rows(x, weight, config)
@@ -175,6 +176,8 @@ def test_fused_mlp_rows_path_serves_only_what_gemv_rows_serves(monkeypatch):
     assert fused_mlp.rows_config_for(biased, rows) is None
     monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), gemv.RowsConfig("fma", 3, 32, 4, 1))
     assert fused_mlp.rows_config_for(layer, rows) is None  # odd block: no gate/up pairs
+    monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), gemv.RowsConfig("dot", 16, 32, 4, 1, 7))
+    assert fused_mlp.rows_config_for(layer, rows) is None  # odd rows per program: the same
     monkeypatch.setitem(gemv.ROWS_CONFIGS, (48, 64, 4), config)
     monkeypatch.setattr(fused_mlp, "ROWS_ENABLED", False)
     assert fused_mlp.rows_config_for(layer, rows) is None

@@ -99,16 +99,19 @@ def test_linear_dispatches_only_one_cuda_half_row():
     assert torch.equal(triton_ops.linear(layer, x), layer(x))
 
 
-@pytest.mark.parametrize("variant,block_n,block_k", [("fma", 2, 32), ("fma", 4, 64),
-                                                     ("dot", 16, 32), ("dot", 32, 64)])
+@pytest.mark.parametrize("variant,block_n,block_k,per_program", [
+    ("fma", 2, 32, 0), ("fma", 4, 64, 0), ("dot", 16, 32, 0), ("dot", 32, 64, 0),
+    ("fma", 4, 32, 3), ("dot", 32, 64, 24), ("dot", 16, 32, 5)])
 @pytest.mark.parametrize("rows,cols,bias", [(48, 64, False), (51, 70, True), (9, 20, False)])
-def test_gemv_rows_matches_matmul(variant, block_n, block_k, rows, cols, bias):
+def test_gemv_rows_matches_matmul(variant, block_n, block_k, per_program, rows, cols, bias):
     """Multi-row GEMV (layers/gemv.py), both variants, M = 1..16 (each row bucket, and M not a
-    power of two: padded rows must be neither read nor written), even and uneven N and K."""
+    power of two: padded rows must be neither read nor written), even and uneven N and K, and
+    programs covering fewer weight rows than their tile (rows_per_program: the tile's other
+    rows belong to the next program and must be neither summed nor written here)."""
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(rows, cols, generator=gen)  # [N, K]
     b = torch.randn(rows, generator=gen) if bias else None
-    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1)
+    config = gemv.RowsConfig(variant, block_n, block_k, 4, 1, per_program)
     for num_m in range(1, gemv.MAX_ROWS + 1):
         x = torch.randn(num_m, 2 * cols, generator=gen)[:, :cols]  # [M, K], strided rows
         ref = x.double() @ weight.double().T + (b.double() if bias else 0)  # [M, N]

@@ -76,6 +76,18 @@ ATTN_TILES_32 = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (128, 4, 2), (1
                  (64, 8, 2)]  # (keys per iteration, warps, stages)
 ATTN_TILES_64 = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (128, 4, 3), (64, 8, 3), (32, 8, 2)]
 FMA_CANDIDATES = [RowsConfig("fma", 2, 1024, 4, 3), RowsConfig("fma", 4, 512, 4, 3)]
+# --spread: "dot" tiles whose programs cover fewer weight rows than the tile
+# (RowsConfig.rows_per_program), so a shape runs on about every SM of an H200 (132): qkv's 6144
+# rows as 128 programs of 48 (64-row tiles give 96), gate_up's 14336 activations as 132 programs
+# of 109 (218 rows in 256-row tiles), 261 of 55 (110 in 128-row tiles: two even waves instead of
+# 224 programs' 1.7) or 512 of 28 (56 in 64-row tiles, four programs per SM).
+SPREAD_CANDIDATES = {
+    "qkv": [RowsConfig("dot", *c, 48) for c in (
+        (64, 128, 4, 5), (64, 128, 4, 7), (64, 256, 4, 3), (64, 256, 4, 4), (64, 128, 4, 4))],
+    "gate_up": [RowsConfig("dot", *c) for c in (
+        (128, 128, 4, 4, 110), (128, 128, 4, 3, 110), (128, 64, 4, 6, 110), (256, 128, 8, 3, 218),
+        (256, 64, 8, 4, 218), (256, 64, 8, 3, 218), (64, 128, 4, 3, 56), (64, 128, 4, 5, 56))],
+    "o": [], "down": []}
 KEEP_FROM_FIRST = 4  # later buckets try this many of the first bucket's best per shape
 MIN_GAIN = 0.003
 LINES: list[str] = []
@@ -237,6 +249,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the descent")
     ap.add_argument("--attention-only", action="store_true",
                     help="skip the GEMV descent (section 2), tune the attention knobs only")
+    ap.add_argument("--spread", action="store_true",
+                    help="skip the attention knobs; the descent tries only SPREAD_CANDIDATES "
+                         "(programs covering fewer rows than their tile) at every bucket")
     args = ap.parse_args()
     import triton
     from transformers import LlamaConfig
@@ -274,13 +289,16 @@ def main() -> int:
     wall_before = wall_times(runner, qs)
     say(ratio_row("start, execute() wall", wall_before))
 
-    say(f"\n== 2a. attention knobs, {time.perf_counter() - t0:.0f}s")
-    tune_attention(runner)
+    if not args.spread:
+        say(f"\n== 2a. attention knobs, {time.perf_counter() - t0:.0f}s")
+        tune_attention(runner)
     say(f"\n== 2b. coordinate descent (budget {args.budget:.0f}s)")
     deadline = time.perf_counter() + (0 if args.attention_only else args.budget)
     first: dict[str, list[tuple[float, RowsConfig]]] | None = None
     for bucket, q in BUCKET_ORDER:
-        if first is None:
+        if args.spread:
+            cands = SPREAD_CANDIDATES
+        elif first is None:
             cands = {name: DOT_CANDIDATES for name in SHAPES}
         else:
             cands = {}

@@ -49,6 +49,11 @@ class RowsConfig(NamedTuple):
     block_k: int  # reduction chunk per loop iteration
     num_warps: int
     num_stages: int
+    # Weight rows (output columns) a program covers, <= block_n; 0 means block_n. Fewer rows
+    # than the tile spread a shape over more programs (the tile's other rows are masked and
+    # never read): the 8B qkv (6144 rows) in 64-row tiles runs 96 programs and leaves 36 of an
+    # H200's 132 SMs without a weight stream, while 48 rows per program runs 128.
+    rows_per_program: int = 0
 
 
 # Per (N, K, row bucket): the fastest config of tests/gpu/sweep_gemv.py on an H200 (2026-12-03;
@@ -119,20 +124,28 @@ def _kernel():
     from specserve.model.layers import gemv_jit
 
     @triton.jit
-    def _weight_rows(t, blk, n_rows, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Tile row t (0..BLOCK_N-1) of weight-row block blk -> (weight row, in range?).
-        GATE_UP: gate and up rows of one activation are neighbours (see _gemv_rows)."""
+    def _weight_rows(t, blk, n_rows, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+        """Tile row t (0..BLOCK_N-1) of weight-row block blk (ROWS <= BLOCK_N weight rows per
+        block) -> (weight row, in range?). GATE_UP: gate and up rows of one activation are
+        neighbours (see _gemv_rows)."""
         if GATE_UP:
-            act_idx = blk * (BLOCK_N // 2) + t // 2  # gate rows even, up odd
-            return (t % 2) * (n_rows // 2) + act_idx, act_idx < n_rows // 2
+            act_idx = blk * (ROWS // 2) + t // 2  # gate rows even, up odd
+            ok = act_idx < n_rows // 2
+            if ROWS < BLOCK_N:
+                ok = ok & (t < ROWS)
+            return (t % 2) * (n_rows // 2) + act_idx, ok
         else:
-            rows = blk * BLOCK_N + t
-            return rows, rows < n_rows
+            rows = blk * ROWS + t
+            ok = rows < n_rows
+            if ROWS < BLOCK_N:
+                ok = ok & (t < ROWS)
+            return rows, ok
 
     @triton.jit
     def _finish(out, blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows, stride_o,
-                HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Store weight-row block blk's float32 sums out [BLOCK_M, BLOCK_N] (+ bias), or with
         GATE_UP its activations silu(gate) * up [BLOCK_M, BLOCK_N / 2] (see _gemv_rows)."""
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -142,22 +155,25 @@ def _kernel():
             sums = out.to(out_ptr.dtype.element_ty).to(tl.float32)
             gate, up = tl.split(tl.reshape(sums, (BLOCK_M, HALF_N, 2)))
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            idx = blk * HALF_N + tl.arange(0, HALF_N)
+            idx = blk * (ROWS // 2) + tl.arange(0, HALF_N)
+            idx_mask = idx < n_rows // 2
+            if ROWS < BLOCK_N:
+                idx_mask = idx_mask & (tl.arange(0, HALF_N) < ROWS // 2)
             tl.store(out_ptr + m[:, None] * stride_o + idx[None, :],
                      (act * up).to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None] & (idx < n_rows // 2)[None, :])
+                     mask=m_mask[:, None] & idx_mask[None, :])
         else:
             tl.store(out_ptr + m[:, None] * stride_o + rows[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
     @triton.jit
-    def _accumulate(acc, w, x_ptrs, x_ok, cols, n_cols, EVEN: tl.constexpr, MODE: tl.constexpr,
-                    PRECISION: tl.constexpr):
+    def _accumulate(acc, w, x_ptrs, x_ok, cols, n_cols, EVEN_COLS: tl.constexpr,
+                    MODE: tl.constexpr, PRECISION: tl.constexpr):
         """acc += the products of weight tile w [BLOCK_N, BLOCK_K] (columns cols) with the
-        same columns of x's rows through x_ptrs [BLOCK_M, 1] (rows not x_ok and, unless EVEN,
-        columns >= n_cols read as 0); acc is [BLOCK_N, BLOCK_M] ("dot") or
+        same columns of x's rows through x_ptrs [BLOCK_M, 1] (rows not x_ok and, unless
+        EVEN_COLS, columns >= n_cols read as 0); acc is [BLOCK_N, BLOCK_M] ("dot") or
         [BLOCK_M, BLOCK_N, BLOCK_K] ("fma")."""
-        if EVEN:
+        if EVEN_COLS:
             x = tl.load(x_ptrs + cols[None, :], mask=x_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs + cols[None, :], mask=x_ok[:, None] & (cols < n_cols)[None, :],
@@ -170,12 +186,15 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["n_m"])  # one compile serves every M of a bucket
     def _gemv_rows(x_ptr, w_ptr, b_ptr, out_ptr, n_m, n_rows, n_cols, stride_x, stride_w,
-                   stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, MODE: tl.constexpr,
-                   GATE_UP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   stride_o, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                   EVEN_COLS: tl.constexpr, MODE: tl.constexpr, GATE_UP: tl.constexpr,
+                   PRECISION: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for BLOCK_N weight rows n per program
-        and all n_m <= BLOCK_M rows m; MODE is the variant ("dot" or "fma"). EVEN: no
-        weight masks (n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0). The first BLOCK_K
+        """out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for ROWS <= BLOCK_N weight rows n per
+        program (a [BLOCK_N, BLOCK_K] tile with its rows past ROWS masked) and all
+        n_m <= BLOCK_M rows m; MODE is the variant ("dot" or "fma"). EVEN: no weight masks
+        (ROWS == BLOCK_N, n_rows % BLOCK_N == 0 and n_cols % BLOCK_K == 0); EVEN_COLS: no
+        column masks (n_cols % BLOCK_K == 0). The first BLOCK_K
         columns are peeled off the loop: their weights are loaded before the PDL wait
         (layers/pdl.py), as in triton_ops' one-row _gemv; the sums are the same.
 
@@ -187,26 +206,28 @@ def _kernel():
         m = tl.arange(0, BLOCK_M)
         m_mask = m < n_m
         rows, row_mask = _weight_rows(tl.arange(0, BLOCK_N), tl.program_id(0), n_rows, GATE_UP,
-                                      BLOCK_N)
+                                      ROWS, BLOCK_N)
         x_ptrs = x_ptr + m[:, None] * stride_x  # [BLOCK_M, 1]
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
         cols = tl.arange(0, BLOCK_K)
-        w = gemv_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+        w = gemv_jit.load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL,
+                                            EVEN_COLS)
         if MODE == "dot":
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
+        acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN_COLS, MODE, PRECISION)
         for k0 in range(BLOCK_K, n_cols, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            w = gemv_jit.weight_tile(w_rows, cols, row_mask, n_cols, EVEN)  # [BLOCK_N, BLOCK_K]
-            acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN, MODE, PRECISION)
+            w = gemv_jit.weight_tile(w_rows, cols, row_mask, n_cols, EVEN,
+                                     EVEN_COLS)  # [BLOCK_N, BLOCK_K]
+            acc = _accumulate(acc, w, x_ptrs, m_mask, cols, n_cols, EVEN_COLS, MODE, PRECISION)
         if MODE == "dot":
             out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         else:
             out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
         _finish(out, tl.program_id(0), rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows,
-                stride_o, HAS_BIAS, GATE_UP, BLOCK_M, BLOCK_N)
+                stride_o, HAS_BIAS, GATE_UP, ROWS, BLOCK_M, BLOCK_N)
 
     return {"fma": _gemv_rows, "dot": _gemv_rows}
 
@@ -234,14 +255,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     block_m = row_bucket(num_m)
     if config.variant != "fma":  # tl.dot tiles
         block_m = max(block_m, MIN_DOT_ROWS)
+    rows = config.rows_per_program or config.block_n  # weight rows per program
+    assert 1 <= rows <= config.block_n and (rows % 2 == 0 or not gate_up)
     out_cols = n_rows // 2 if gate_up else n_rows
     out = torch.empty(num_m, out_cols, dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
-    # gate_up: a program covers block_n / 2 activations, so the weight is even when I is
-    even = (out_cols % (config.block_n // 2 if gate_up else config.block_n) == 0
-            and n_cols % config.block_k == 0)
-    n_blocks = (n_rows + config.block_n - 1) // config.block_n
-    common = dict(HAS_BIAS=bias is not None, EVEN=even, GATE_UP=gate_up,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+    # gate_up: a program covers rows / 2 activations, so the weight is even when I is
+    per_program = rows // 2 if gate_up else rows
+    even_cols = n_cols % config.block_k == 0
+    even = rows == config.block_n and out_cols % per_program == 0 and even_cols
+    n_blocks = (out_cols + per_program - 1) // per_program
+    common = dict(HAS_BIAS=bias is not None, EVEN=even, EVEN_COLS=even_cols, GATE_UP=gate_up,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROWS=rows,
+                  BLOCK_M=block_m,
                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl.launch_options(x))
     args = (x, weight, bias if bias is not None else weight, out, num_m, n_rows, n_cols,

@@ -15,11 +15,16 @@ from specserve.model.layers import pdl_jit
 
 
 @triton.jit
-def weight_tile(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr):
+def weight_tile(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr,
+                EVEN_COLS: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] at rows w_rows [BLOCK_N, 1] and columns cols
-    [BLOCK_K]; unless EVEN, rows not row_mask and columns >= n_cols read as 0."""
+    [BLOCK_K]; unless EVEN, rows not row_mask and columns >= n_cols read as 0. EVEN_COLS
+    (only read when not EVEN): every column is in range, so only the rows are masked (the mask
+    stays constant along K, so the loads stay vectorised)."""
     if EVEN:
         return tl.load(w_rows + cols[None, :])
+    elif EVEN_COLS:
+        return tl.load(w_rows + cols[None, :], mask=row_mask[:, None], other=0.0)
     else:
         return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < n_cols)[None, :],
                        other=0.0)
@@ -27,11 +32,11 @@ def weight_tile(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr):
 
 @triton.jit
 def load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, EVEN_COLS: tl.constexpr):
     """The peeled first block of a GEMV: its weight_tile, loaded BEFORE the PDL wait (weights
     are no earlier kernel's output), so with PDL they stream while the previous kernel
     drains; then pdl_jit.release_and_wait."""
-    w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
+    w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN, EVEN_COLS)
     pdl_jit.release_and_wait(PDL)
     return w
 
@@ -47,7 +52,7 @@ def one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN: tl.constexpr, BLOCK_K: t
     (load_weights_then_wait), so with PDL they stream while the previous kernel
     finishes; acc starts as the first products, so the sums are those of the plain loop."""
     cols = tl.arange(0, BLOCK_K)
-    w = load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL)
+    w = load_weights_then_wait(w_rows, cols, row_mask, n_cols, EVEN, PDL, EVEN)
     if EVEN:
         x = tl.load(x_ptr + cols)
     else:
@@ -59,6 +64,6 @@ def one_row_sums(x_ptr, w_rows, row_mask, n_cols, EVEN: tl.constexpr, BLOCK_K: t
             x = tl.load(x_ptr + cols)
         else:
             x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
-        w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN)
+        w = weight_tile(w_rows, cols, row_mask, n_cols, EVEN, EVEN)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     return tl.sum(acc, axis=1)
