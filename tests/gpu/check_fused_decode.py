@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 sys.path.append(str(REPO / "benchmarks"))
 from bench_gpu_spec import cuda_time  # noqa: E402  (median CUDA-event time, as the benchmark)
 
-from specserve.model.layers import fused_argmax, fused_mlp, pdl, triton_ops  # noqa: E402
+from specserve.model.layers import fused_argmax, fused_mlp, gemv, pdl, triton_ops  # noqa: E402
 from specserve.model.layers.attention import triton_backend  # noqa: E402
 from specserve.model.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from specserve.model.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -137,12 +137,34 @@ def kernel_checks() -> None:
         triton_ops.gemv(x, w, None, triton_ops.GEMV_CONFIGS[w.shape])), 16)
     t_base = cuda_time(base.replay, 20) / 16
     argmax_checks(gen)
+    rows_per_program_checks(gen)
     say(f"gate_up GEMV + silu_mul: {t_base * 1e6:7.1f} us/call "
         f"({w.numel() * 2 / t_base / 1e12:.2f} TB/s of weight)")
     for cfg in GATE_UP_SWEEP:
         t = cuda_time(graph_of(lambda c=cfg: fused_mlp.gate_up_silu(x, w, c), 16).replay, 20) / 16
         say(f"gate_up_silu {str(cfg):18}: {t * 1e6:7.1f} us/call "
             f"({w.numel() * 2 / t / 1e12:.2f} TB/s)")
+
+
+def rows_per_program_checks(gen: torch.Generator) -> None:
+    """Every ROWS_CONFIGS entry whose programs cover fewer weight rows than their tile
+    (rows_per_program) against the same tile covering all its rows: bit-exact at M = 2..16
+    (each output row's sums see the same K order whatever rows share its tile)."""
+    for (n, k, bucket), cfg in sorted(gemv.ROWS_CONFIGS.items()):
+        if not cfg.rows_per_program:
+            continue
+        w = (torch.randn(n, k, device=DEV, generator=gen) * INIT_STD).to(torch.bfloat16)
+        full = cfg._replace(rows_per_program=0)
+        same = []
+        for m in range(max(2, bucket // 2 + 1), bucket + 1):
+            x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+            same.append(torch.equal(gemv.gemv_rows(x, w, None, cfg),
+                                    gemv.gemv_rows(x, w, None, full)))
+            if (n, k) in fused_mlp.GATE_UP_CONFIGS and cfg.rows_per_program % 2 == 0:
+                same.append(torch.equal(gemv.gate_up_silu_rows(x, w, cfg),
+                                        gemv.gate_up_silu_rows(x, w, full)))
+        say(f"rows_per_program {(n, k, bucket)} {tuple(cfg)}: == full tiles bit-exact "
+            f"{all(same)} ({len(same)} products)")
 
 
 def argmax_checks(gen: torch.Generator) -> None:
