@@ -114,8 +114,7 @@ def launch_everything() -> None:
     for (n, k, bucket), config in gemv.ROWS_CONFIGS.items():
         rows = torch.empty(bucket, k, **bf16)
         gemv.gemv_rows(rows, torch.empty(n, k, **bf16), None, config)
-        if ((n, k) in fused_mlp.GATE_UP_CONFIGS and config.block_n % 2 == 0
-                and config.rows_per_program % 2 == 0):
+        if (n, k) in fused_mlp.GATE_UP_CONFIGS and config.pairs_rows:
             gemv.gate_up_silu_rows(rows, torch.empty(n, k, **bf16), config)
     heads, kv_heads, head_dim, page = 32, 8, 128, 16
     backend = triton_backend.TritonAttentionBackend(num_sms=132)

@@ -115,8 +115,7 @@ def rows_config_for(layer: torch.nn.Linear, x: torch.Tensor) -> gemv.RowsConfig 
             and _kernel_path(layer, x)):
         return None
     config = gemv.ROWS_CONFIGS.get((*layer.weight.shape, gemv.row_bucket(x.shape[0])))
-    even = config is not None and config.block_n % 2 == 0 and config.rows_per_program % 2 == 0
-    return config if even else None
+    return config if config is not None and config.pairs_rows else None
 
 
 def _kernel_path(layer: torch.nn.Linear, x: torch.Tensor) -> bool:

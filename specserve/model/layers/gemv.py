@@ -55,6 +55,11 @@ class RowsConfig(NamedTuple):
     # H200's 132 SMs without a weight stream, while 48 rows per program runs 128.
     rows_per_program: int = 0
 
+    @property
+    def pairs_rows(self) -> bool:
+        """Every program covers whole gate/up row pairs (what gate_up_silu_rows needs)."""
+        return self.block_n % 2 == 0 and self.rows_per_program % 2 == 0
+
 
 # Per (N, K, row bucket): the fastest config of tests/gpu/sweep_gemv.py on an H200 (2026-12-03;
 # the "dot" variant everywhere except 2-row 2048-row shapes), listed where it beat cuBLAS
@@ -135,16 +140,14 @@ def _kernel():
         neighbours (see _gemv_rows)."""
         if GATE_UP:
             act_idx = blk * (ROWS // 2) + t // 2  # gate rows even, up odd
+            rows = (t % 2) * (n_rows // 2) + act_idx
             ok = act_idx < n_rows // 2
-            if ROWS < BLOCK_N:
-                ok = ok & (t < ROWS)
-            return (t % 2) * (n_rows // 2) + act_idx, ok
         else:
             rows = blk * ROWS + t
             ok = rows < n_rows
-            if ROWS < BLOCK_N:
-                ok = ok & (t < ROWS)
-            return rows, ok
+        if ROWS < BLOCK_N:
+            ok = ok & (t < ROWS)
+        return rows, ok
 
     @triton.jit
     def _finish(out, blk, rows, row_mask, m, m_mask, b_ptr, out_ptr, n_rows, stride_o,
@@ -246,8 +249,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def gate_up_silu_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig) -> torch.Tensor:
     """x [M, K], weight [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T) [M, I] in x's
     dtype, 1 <= M <= MAX_ROWS, the same bits as triton_ops.silu_mul(gemv_rows(x, weight, None,
-    config)) in one kernel (config.block_n even: gate and up rows in pairs)."""
-    assert weight.shape[0] % 2 == 0 and config.block_n % 2 == 0
+    config)) in one kernel (config.pairs_rows: gate and up rows in pairs)."""
+    assert weight.shape[0] % 2 == 0 and config.pairs_rows
     return _launch(x, weight, None, config, gate_up=True)
 
 
@@ -260,7 +263,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if config.variant != "fma":  # tl.dot tiles
         block_m = max(block_m, MIN_DOT_ROWS)
     rows = config.rows_per_program or config.block_n  # weight rows per program
-    assert 1 <= rows <= config.block_n and (rows % 2 == 0 or not gate_up)
+    assert 1 <= rows <= config.block_n
     out_cols = n_rows // 2 if gate_up else n_rows
     out = torch.empty(num_m, out_cols, dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
     # gate_up: a program covers rows / 2 activations, so the weight is even when I is
