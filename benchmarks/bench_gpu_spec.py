@@ -80,6 +80,8 @@ WALK_EMBED_STD = 1000.0  # >> the ~20 rms that 32 random layers add to the resid
 WALK_HEAD_STD = 0.01
 PROMPT_LEN = 128
 K_SPEC = 4
+VERIFY_ROUNDS = 5  # section 3: rounds over q = 1..9 (verify_sweep)
+VERIFY_REPS = 6  # ... steps per q per round
 MULTI_STEPS = 16  # num_scheduler_steps of the multi-step rows (16: bench_gpu_decode_b1, session 6)
 ACCEPTANCES = (0.5, 0.7, 0.9)
 STALL_SECONDS = 0.1  # an engine step this slow is a one-time compile, not the policy's doing
@@ -483,6 +485,22 @@ def step_time(runner, batch: int, q: int, ctx: int, reps: int,
         if graph is not None:
             gpu = cuda_time(graph.replay, reps)
     return wall, gpu
+
+
+def verify_sweep(runner, batch: int, argmax: bool, rounds: int = VERIFY_ROUNDS,
+                 reps: int = VERIFY_REPS) -> list[tuple[float, float]]:
+    """step_time at q = 1..9 query tokens per sequence (context 512): [(wall, GPU seconds)]
+    per q, each the median over `rounds` rounds that visit every q in turn, of `reps` steps
+    each. Why rounds: a host stall that lasts a few hundred ms (another process, a page-cache
+    flush) slows every step of the q measured then; measured q after q, 20 steps each, it made
+    one q of the H100's batch-1 wall row read 1.158 where its GPU time read 1.071 (session 33).
+    Spread over rounds, one stalled round moves no median."""
+    samples: list[list[tuple[float, float]]] = [[] for _ in range(9)]
+    for _ in range(rounds):
+        for q in range(1, 10):
+            samples[q - 1].append(step_time(runner, batch, q, 512, reps, argmax=argmax))
+    return [(statistics.median(w for w, _ in s), statistics.median(g for _, g in s))
+            for s in samples]
 
 
 def catch_up_sweep(draft_runner, target_runner, batch: int, out: Path | None) -> list[str]:
@@ -1133,12 +1151,9 @@ def main() -> int:
     runner.enable_cuda_graphs(256, 9, 1024)
     ver, ver_greedy = {}, {}
     for b in () if args.spec_only else ((1, 2) if smoke else (1, 8, 32)):
-        base = step_time(runner, b, 1, 512, 20)
-        ver[b] = [base] + [step_time(runner, b, k + 1, 512, 20) for k in range(1, 9)]
+        ver[b] = verify_sweep(runner, b, argmax=False)
         # the greedy step the engine runs (lm_head and argmax inside the graph, one read)
-        base = step_time(runner, b, 1, 512, 20, argmax=True)
-        ver_greedy[b] = [base] + [step_time(runner, b, k + 1, 512, 20, argmax=True)
-                                  for k in range(1, 9)]
+        ver_greedy[b] = verify_sweep(runner, b, argmax=True)
     results["verify"] = {b: v for b, v in ver.items()}
     results["verify_greedy"] = {b: v for b, v in ver_greedy.items()}
     captured = len(runner.graphs.graphs) + len(runner.graphs.argmax_graphs) if runner.graphs else 0
