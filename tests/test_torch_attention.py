@@ -163,6 +163,21 @@ def test_swapped_sequence_is_not_read_from_the_mirror(pair):
     pair.step([a, c], [a.run(1), c.run(1)])
 
 
+def test_a_block_table_changed_in_place_is_seen(pair):
+    """The runner hands the mirror the callers' block-table lists (the block manager's, which
+    change in place); the mirror keeps copies. Here a row's list object is rewritten in place
+    to name another sequence's blocks, its context now that sequence's: only a copy taken
+    when the mirror was built shows that the row is not the one it holds."""
+    a, b, c = _seqs(pair.vocab, [40, 40, 40])
+    pair.step([a, b], [a.run(12), b.run(12)])
+    pair.step([c], [c.run(13)])
+    for _ in range(3):  # a and b reach 15 tokens: the mirror is built, then extended
+        pair.step([a, b], [a.run(1), b.run(1)])
+    a.blocks[:] = c.blocks  # the same list object, now c's blocks ...
+    a.ids, a.done = c.ids, c.done  # ... and c's context (13 tokens: inside what row 0 holds)
+    pair.step([a, b], [a.run(1), b.run(1)])
+
+
 def _extends(pair, monkeypatch) -> list[bool]:
     """Record, per step of the mirrored runner, whether its mirror was extended (not rebuilt)."""
     seen: list[bool] = []

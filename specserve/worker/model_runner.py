@@ -201,6 +201,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            block_tables_host=[r.block_table for r in runs],
         )
         # Plain decoding wants every row in order: skip the [T, hidden] gather then.
         every_row = logit_rows == list(range(len(input_ids)))

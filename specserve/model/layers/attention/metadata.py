@@ -24,6 +24,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Host copy of block_tables, unpadded (None where the builder had none): the CPU context
+    # mirror compares tables on the host (torch_context_mirror.ContextMirror.plan)
+    block_tables_host: list[list[int]] | None = None
     # Backend-owned scratch computed once per step and shared by all layers.
     backend_state: dict[str, Any] = field(default_factory=dict)
 
