@@ -226,6 +226,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_BATCH1_PROMPTS} prompts per set at batch 1, "
                              f"batch {QUICK_BATCH}, {QUICK_NEW_TOKENS} new tokens")
+    parser.add_argument("--batch1-prompts", type=int, default=None, metavar="N",
+                        help=f"prompts per set at batch 1 (default {BATCH1_PROMPTS}; the chat "
+                             f"set has {len(CHAT_PROMPTS) + len(USER_PROMPTS)}). The 6 code "
+                             "edits are the first HumanEval problems: at batch 1 their ratios "
+                             "range 0.9-4.5x from one prompt to the next, so more prompts give "
+                             "a steadier mean (BENCHMARKS.md, CPU, session 33)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--idle-wait", type=float, default=0.0, metavar="SECONDS",
                         help="before each timing, wait up to this long for the CPUs to go idle "
@@ -245,7 +251,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
-    n1 = QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS
+    n1 = args.batch1_prompts or (QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS)
     batch = QUICK_BATCH if args.quick else BATCH
     rounds = 1 if args.quick else BATCH_ROUNDS
     torch.set_num_threads(args.threads)
