@@ -201,7 +201,9 @@ class ContextMirror:
         bs, rows = meta.block_size, meta.num_seqs
         needed = _cdiv(meta.max_seq_len, bs)
         starts = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens, strict=True)]
-        sources = self._match(meta, starts) if needed * bs <= self._capacity else None
+        tables = _host_tables(meta)
+        sources = (self._match(meta, starts, tables) if needed * bs <= self._capacity
+                   else None)
         moves: list[Move] = []
         if sources is not None and rows == len(self._seq_lens):
             self.counts["extend"] += 1  # every row is its own: nothing moves
@@ -220,8 +222,8 @@ class ContextMirror:
             self._version += 1
             self.counts["rebuild"] += 1
         self._seq_lens = list(meta.seq_lens_host)
-        self._tables = [list(row) for row in _host_tables(meta)]  # (copies: callers' lists
-        # may be the block manager's, which change in place)
+        # copies: the callers' lists may be the block manager's, which change in place
+        self._tables = [list(row) for row in tables]
         extend = sources is not None
         index = (self._extend_index(meta, starts) if extend
                  else self._gather_index(meta))
@@ -245,10 +247,12 @@ class ContextMirror:
         index = torch.nn.functional.pad(tables, (0, cap_blocks - tables.shape[1]))
         return index.reshape(-1)  # [S * cap_blocks]; padding reads block 0 (masked)
 
-    def _match(self, meta: AttentionMetadata, starts: list[int]) -> list[int] | None:
+    def _match(self, meta: AttentionMetadata, starts: list[int],
+               new: list[list[int]]) -> list[int] | None:
         """For each row of this batch, the mirror row that holds its context, in order (a
         shrunk batch keeps its rows' order: the scheduler removes finished sequences from its
-        running list and appends new ones); None when some row has none.
+        running list and appends new ones); None when some row has none. new: this step's
+        block tables (host lists, _host_tables).
 
         Row i may take mirror row j when its run starts at or before the end of what row j
         holds (after a plain decode exactly there; after a verification whose proposals were
@@ -264,7 +268,7 @@ class ContextMirror:
             return None
         bs = meta.block_size
         held = [_cdiv(n, bs) for n in starts]  # blocks read from the mirror, per row
-        new, old = _host_tables(meta), self._tables
+        old = self._tables
         if meta.num_seqs == len(prev):  # the common case: row i is row i
             return self._same_rows(starts, held, new)
         sources, j = [], 0
