@@ -18,7 +18,8 @@ tokens per request:
 
 * **batch 1, decode tok/s**: per prompt and engine, t(up to N tokens) - t(1 token) removes the
   prefill; summed over the set. The engines take turns on every prompt, so that load drifting
-  on a shared machine hits all of them alike.
+  on a shared machine hits all of them alike; each turn starts with an untimed 1-token request
+  (see batch1).
 * **batch 32, throughput**: 32 prompts of a set at once, end to end (prefill included),
   generated tokens / wall time, the best of 4 interleaved rounds; specserve only
   (transformers' prompt lookup supports batch 1 only).
@@ -168,6 +169,13 @@ def batch1(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: 
     for prompt in prompts:
         for name, engine in engines.items():  # take turns on every prompt
             wait_idle(idle_wait)
+            # An engine's first pass after the others' turns costs extra, the same for every
+            # engine (on this repo's 2-core VM: +35-47 ms over a ~12 ms pass once another engine
+            # had run for 5-40 s), so it weighed most on the shortest runs, the speculative
+            # ones: aligned "[ngram]" read 1.775x plain decoding with it and 1.858x without
+            # (BENCHMARKS.md, CPU, session 33). A server's one engine never waits for others:
+            # an untimed 1-token request takes that cost first.
+            engine.generate([prompt], 1)
             t_full, out = timed(lambda e=engine, p=prompt: e.generate([p], new_tokens)[0])
             t_one, _ = timed(lambda e=engine, p=prompt: e.generate([p], 1))
             outputs[name].append(out)
