@@ -12,6 +12,7 @@ import torch
 from transformers import PretrainedConfig
 
 from specserve.model.base import CausalLM
+from specserve.model.huge_pages import move_to_huge_pages
 from specserve.model.layers import cpu_kernels
 from specserve.model.layers.quantization import get_quantization_method, quantize_model
 from specserve.model.layers.quantization.gguf_blocks import GGUFBlocks
@@ -74,6 +75,7 @@ def load_model(name: str | None, dtype: torch.dtype, device: torch.device,
         quantize_model(model, get_quantization_method(quantization), device, source)
     if device.type == "cpu":
         store_linear_weights_input_major(model)  # MKL's fast layout for multi-row matmuls
+        move_to_huge_pages(model)  # every step streams the weights: 2 MB pages (huge_pages.py)
     logger.info("loaded %s (%s) in %.2fs", source.name, type(model).__name__,
                 time.perf_counter() - t0)
     return LoadedModel(source, hf_config, model)
