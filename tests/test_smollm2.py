@@ -166,3 +166,30 @@ def test_lower_matmul_precision_keeps_speculation_lossless(precision, suffix, k)
     assert stats["drafted_per_position"][-1] > 0, stats  # steps verified k proposals: one job
     both = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
     assert alone == plain[0] and both == plain
+
+
+@pytest.mark.skipif(not _amx_in_use(), reason="the greedy screen serves the AMX head only, and "
+                    "this CPU (or its build) has no AMX tiles")
+def test_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
+    """Greedy steps of 6+ rows take the head's screen (quantization/greedy_screen.py): on every
+    such step of a batch of chat prompts its tokens must be the exact head's argmax."""
+    from specserve.model.layers import fused_argmax
+    from specserve.model.layers.quantization import greedy_screen
+
+    head = smol_llm.llm_engine.runner.model.lm_head
+    assert head.greedy_screen is not None
+    screened_rows = []
+    argmax = greedy_screen.GreedyScreen.argmax
+
+    def checked(self, x, packed):
+        tokens = argmax(self, x, packed)
+        assert torch.equal(tokens, fused_argmax.logits_argmax(head(x)))
+        screened_rows.append(x.shape[0])
+        return tokens
+
+    monkeypatch.setattr(greedy_screen.GreedyScreen, "argmax", checked)
+    prompts = [smol_llm.apply_chat_template([{"role": "user", "content": p}])
+               for p in CHAT_PROMPTS]
+    smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                      use_tqdm=False)
+    assert len(screened_rows) >= 20 and min(screened_rows) >= greedy_screen.MIN_ROWS

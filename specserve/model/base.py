@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from specserve.model.layers import fused_argmax
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.weights import PackedModules, load_into
 
@@ -54,6 +55,12 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] (only the rows that get sampled)."""
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] -> [R] int64, the argmax of each row's logits (greedy steps). A
+        model whose head can find it without every logit overrides this (llama.py: a GGUF head
+        on AMX tiles, quantization/greedy_screen.py)."""
+        return fused_argmax.logits_argmax(self.compute_logits(hidden))
 
     @abstractmethod
     def kv_geometry(self) -> KVGeometry: ...

@@ -15,6 +15,7 @@ from specserve.model.base import CausalLM, KVGeometry
 from specserve.model.layers import cpu_kernels, fused_mlp, triton_ops
 from specserve.model.layers.attention import Attention, AttentionMetadata
 from specserve.model.layers.norm import RMSNorm
+from specserve.model.layers.quantization.gguf_blocks import GGUFBlockLinear
 from specserve.model.layers.rotary import RotaryEmbedding, RotaryTable, rope_settings
 from specserve.model.weights import fused_linear
 
@@ -149,6 +150,11 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return triton_ops.linear(self.lm_head, hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, GGUFBlockLinear):  # its greedy screen, where it has one
+            return self.lm_head.greedy_tokens(hidden)
+        return super().greedy_tokens(hidden)
 
     def kv_geometry(self) -> KVGeometry:
         block = self.model.layers[0].self_attn

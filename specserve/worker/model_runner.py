@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.base import CausalLM
-from specserve.model.layers import fused_argmax
 from specserve.model.layers.attention import AttentionMetadata, get_attention_backend
 from specserve.worker.cuda_graphs import CudaGraphRunner
 from specserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -245,7 +244,7 @@ class ModelRunner:
             hidden, logit_rows = self._eager_hidden(runs, fed)
             if logit_rows is not None:
                 hidden = hidden[logit_rows]  # [R, hidden]
-            return fused_argmax.logits_argmax(self.model.compute_logits(hidden))  # [R]
+            return self.model.greedy_tokens(hidden)  # [R]
         tokens = self.graphs.run(key, runs, argmax=True, fed=fed)  # [T] real tokens
         rows = self._logit_rows(runs)
         return tokens if rows is None else tokens[rows]  # [R]

@@ -13,8 +13,16 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -76,4 +84,94 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
     for (int64_t r = begin; r < end; ++r) result[r] = argmax_row(data + r * ld, n);
   });
   return out;
+}
+
+namespace {
+
+// float -> bfloat16 -> float, round to nearest even (torch's conversion; finite x).
+inline float bfloat16_rounded(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  bits &= 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+}  // namespace
+
+// The greedy screen's candidates (quantization/greedy_screen.py has the bound and why it holds).
+// Per row r of x [R, K]: slack = weight_norm * (||x - bf16(x)|| + sum_slack * ||x||) * room +
+// slack_abs (float64), and every group of 16 columns holding a c with scores[r, c] >=
+// max(scores[r]) - 2 * slack is a candidate, the threshold rounded down to float (never above
+// the exact one). Returns the candidate groups of all rows, sorted, and ok: false (groups
+// empty) when a row's maximum, slack or x is not finite, where the bound says nothing. One pass
+// for the maximum and one 16-lane compare per group: in torch the same steps took 0.75 ms for 9
+// rows of SmolLM2's 49152 logits on the 2-core CI machine.
+std::tuple<torch::Tensor, bool> screen_groups(const torch::Tensor& scores, const torch::Tensor& x,
+                                              double weight_norm, double sum_slack, double room,
+                                              double slack_abs) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == torch::kFloat32 &&
+                  scores.dim() == 2 && scores.stride(1) == 1,
+              "screen_groups: scores must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.size(0) == scores.size(0),
+              "screen_groups: x must be float32 [rows, K]");
+  constexpr int64_t kGroup = 16;
+  const int64_t rows = scores.size(0), n = scores.size(1), ld = scores.stride(0);
+  TORCH_CHECK(n % kGroup == 0, "screen_groups: columns must be whole groups of 16");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t k = xc.size(1);
+  const float* xp = xc.data_ptr<float>();
+  const float* data = scores.data_ptr<float>();
+  const int64_t groups = n / kGroup;
+  std::vector<uint8_t> live(static_cast<size_t>(groups), 0);
+  torch::Tensor none = torch::empty({0}, torch::dtype(torch::kInt64));
+  for (int64_t r = 0; r < rows; ++r) {
+    double squares = 0.0, rounding = 0.0;
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = xp[r * k + i];
+      if (!std::isfinite(v)) return {none, false};
+      const double d = static_cast<double>(v) - static_cast<double>(bfloat16_rounded(v));
+      squares += static_cast<double>(v) * v;
+      rounding += d * d;
+    }
+    const double slack =
+        weight_norm * (std::sqrt(rounding) + sum_slack * std::sqrt(squares)) * room + slack_abs;
+    const float* row = data + r * ld;
+#if defined(__AVX512F__)
+    __m512 lanes = _mm512_set1_ps(-INFINITY);
+    __mmask16 nans = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 v = _mm512_loadu_ps(row + g * kGroup);
+      lanes = _mm512_max_ps(lanes, v);
+      nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float m = _mm512_reduce_max_ps(lanes);
+#else
+    float m = -INFINITY;
+    int nans = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      m = std::max(m, row[c]);
+      nans |= std::isnan(row[c]);
+    }
+#endif
+    if (nans || !std::isfinite(m) || !std::isfinite(slack)) return {none, false};
+    float floor = static_cast<float>(static_cast<double>(m) - 2.0 * slack);
+    floor = std::nextafter(floor, -INFINITY);  // rounded down: never above the exact threshold
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(floor);
+    for (int64_t g = 0; g < groups; ++g)
+      live[g] |= _mm512_cmp_ps_mask(_mm512_loadu_ps(row + g * kGroup), f, _CMP_GE_OQ) != 0;
+#else
+    for (int64_t c = 0; c < n; ++c) live[c / kGroup] |= row[c] >= floor;
+#endif
+  }
+  std::vector<int64_t> picked;
+  for (int64_t g = 0; g < groups; ++g)
+    if (live[g]) picked.push_back(g);
+  torch::Tensor out = torch::empty({static_cast<int64_t>(picked.size())}, torch::dtype(torch::kInt64));
+  std::copy(picked.begin(), picked.end(), out.data_ptr<int64_t>());
+  return {out, true};
 }

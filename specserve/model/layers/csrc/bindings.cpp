@@ -27,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mirror_rows") = py::none());
   m.def("silu_mul", &silu_mul, "gate_up [T, 2I] f32 -> silu(gate) * up [T, I]");
   m.def("argmax_rows", &argmax_rows, "x [R, V] f32 -> [R] int64, as torch.argmax(x, -1)");
+  m.def("screen_groups", &screen_groups,
+        "scores [R, V] f32 (screened logits), x [R, K] f32, the bound's constants -> (candidate "
+        "groups of 16 columns, sorted; whether the bound held)");
   m.def("run_attention", &run_attention,
         "q [T, H, D] of short runs against k, v [S, KvH, K, D]; causal within each run");
 }

@@ -111,3 +111,8 @@ torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, cons
 
 // argmax.cpp: x [R, V] float32 (rows contiguous) -> [R] int64, torch.argmax's answer per row
 torch::Tensor argmax_rows(const torch::Tensor& x);
+// argmax.cpp: the greedy screen's candidate groups of 16 columns (sorted), and whether its
+// bound held (every value finite; quantization/greedy_screen.py)
+std::tuple<torch::Tensor, bool> screen_groups(const torch::Tensor& scores, const torch::Tensor& x,
+                                              double weight_norm, double sum_slack, double room,
+                                              double slack_abs);

@@ -48,9 +48,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specserve.model.layers import cpu_kernels
-from specserve.model.layers.quantization import gguf_amx
-from specserve.model.layers.quantization.base import QuantizationMethod
+from specserve.model.layers import cpu_kernels, fused_argmax
+from specserve.model.layers.quantization import gguf_amx, greedy_screen
+from specserve.model.layers.quantization.base import LM_HEAD_ROLE, QuantizationMethod
+from specserve.model.layers.quantization.greedy_screen import GreedyScreen
 
 BlockKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [M, K], blocks -> [M, N]
 
@@ -68,6 +69,7 @@ class GGUFBlockLinear(nn.Module):
         self.bias = linear.bias
         self.register_buffer("blocks", blocks)  # [N, K / 32 * block bytes] uint8, GGUF's bytes
         self._kernel = kernel
+        self.greedy_screen: GreedyScreen | None = None  # an AMX head's (greedy_screen.py)
         self.format_name = format_name
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -76,6 +78,13 @@ class GGUFBlockLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] -> [R] int64, the argmax of each row of forward(x): through the greedy
+        screen where this head has one and there are enough rows, else the logits."""
+        if self.greedy_screen is not None and x.dim() == 2 and x.shape[0] >= greedy_screen.MIN_ROWS:
+            return self.greedy_screen.argmax(x, self.blocks)
+        return fused_argmax.logits_argmax(self(x))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -116,18 +125,28 @@ class GGUFBlocks(QuantizationMethod):
             return None
         blocks, format_name = found
         tied = linear.weight.data_ptr() in self._embedding_tables
-        return self._block_linear(linear, blocks, format_name, tied)
+        return self._block_linear(linear, blocks, format_name, tied, role)
 
     def _block_linear(self, linear: nn.Linear, blocks: torch.Tensor, format_name: str,
-                      tied: bool) -> GGUFBlockLinear:
+                      tied: bool, role: str) -> GGUFBlockLinear:
         """The layer over the file's blocks [N, K / 32 * block bytes] of type format_name: on AMX
         tiles where the CPU has them (repacked, see gguf_amx.py), else the AVX-512 kernel. The
-        choice is made per layer once, so every row count of a layer takes the same path."""
+        choice is made per layer once, so every row count of a layer takes the same path (an
+        AMX head's greedy screen computes no logit of its own: its tokens are the exact
+        head's, see greedy_screen.py)."""
         if self._amx and blocks.shape[0] % gguf_amx.LANES == 0:
             kernel = gguf_amx.kernel(self._kernels, format_name, out_features=blocks.shape[0],
                                      parts=self._amx_parts)
-            return GGUFBlockLinear(linear, gguf_amx.PACKERS[format_name](blocks), kernel,
-                                   format_name + gguf_amx.FORMAT_SUFFIX[self._amx_parts],
-                                   keep_weight=tied)
+            layer = GGUFBlockLinear(linear, gguf_amx.PACKERS[format_name](blocks), kernel,
+                                    format_name + gguf_amx.FORMAT_SUFFIX[self._amx_parts],
+                                    keep_weight=tied)
+            if (role == LM_HEAD_ROLE and format_name == "Q8_0" and self._amx_parts == 3
+                    and linear.bias is None):
+                # greedy steps of several rows: screened in 1 bfloat16 part, rechecked exactly
+                # (Q8_0: the weights are d * q, the vector greedy_screen.py's bound needs)
+                layer.greedy_screen = GreedyScreen(
+                    getattr(self._kernels, f"{format_name.lower()}_amx_linear"),
+                    layer.out_features, linear.weight, self._kernels.screen_groups)
+            return layer
         kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
         return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
