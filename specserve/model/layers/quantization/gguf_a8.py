@@ -90,8 +90,9 @@ class GGUFBlocksA8(GGUFBlocks):
                            "weights instead")
 
     def _block_linear(self, linear: nn.Linear, blocks: torch.Tensor, format_name: str,
-                      tied: bool) -> GGUFBlockLinear:
-        """The layer over the blocks repacked for the VNNI kernel (see PACKERS)."""
+                      tied: bool, role: str) -> GGUFBlockLinear:
+        """The layer over the blocks repacked for the VNNI kernel (see PACKERS), whatever its
+        role (no greedy screen: these products are not the AMX kernel's)."""
         kernel = getattr(self._kernels, f"{format_name.lower()}_a8_linear")
         out_features = blocks.shape[0]
 
