@@ -63,16 +63,6 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor [numel] in 2 MB pages where this machine offers them (else
-    from torch's allocator). Pages are mapped at first touch, so a large reserve costs only what
-    is used, rounded up to 2 MB."""
-    if not huge_pages_available():
-        return torch.empty(numel, dtype=dtype)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return huge_page_buffer(numel * itemsize).view(dtype)
-
-
 def _cpu_tensor_slots(model: nn.Module) -> list[tuple[dict, str]]:
     """(the module's _parameters or _buffers dict, name) of every CPU tensor in the model."""
     slots = []

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.model import huge_pages
 from specserve.model.layers.attention.metadata import AttentionMetadata
 
 # Capacity past the longest context at a rebuild: the mirror is re-gathered once every
@@ -317,10 +316,8 @@ class ContextMirror:
                     or held.k.dtype != k_cache.dtype):
                 budget = int(MAX_MIRROR_FRACTION * k_cache.shape[0] * k_cache.shape[1])
                 reserve = max(count, budget * k_cache.shape[2] * k_cache.shape[3])
-                # mapped as used (see above); in 2 MB pages, as the weights (model/huge_pages.py)
-                held = self._buffers[key] = _LayerBuffers(
-                    huge_pages.empty(reserve, k_cache.dtype),
-                    huge_pages.empty(reserve, k_cache.dtype),
+                held = self._buffers[key] = _LayerBuffers(  # mapped as used (see above)
+                    k_cache.new_empty(reserve), k_cache.new_empty(reserve),
                     k_cache.new_empty(0), k_cache.new_empty(0), step.version)
             if held.k.shape[1:] != shape or held.k.shape[0] < step.rows:
                 held.shape_as(full)
