@@ -18,11 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <cfloat>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -133,7 +130,10 @@ std::tuple<torch::Tensor, bool> screen_groups(const torch::Tensor& scores, const
     for (int64_t i = 0; i < k; ++i) {
       const float v = xp[r * k + i];
       if (!std::isfinite(v)) return {none, false};
-      const double d = static_cast<double>(v) - static_cast<double>(bfloat16_rounded(v));
+      // a denormal may be flushed to 0 or rounded: |v - x'| <= |v| either way
+      const double d = std::fabs(v) < FLT_MIN
+                           ? static_cast<double>(v)
+                           : static_cast<double>(v) - static_cast<double>(bfloat16_rounded(v));
       squares += static_cast<double>(v) * v;
       rounding += d * d;
     }

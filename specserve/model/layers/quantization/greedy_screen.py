@@ -33,17 +33,19 @@ from __future__ import annotations
 import torch
 
 from specserve.model.layers import fused_argmax
+from specserve.model.layers.quantization.gguf_amx import LANES
 
 SUM_SLACK = 2.0**-12  # both kernels' float32 sums, relative to ||w_n|| ||x|| (see above)
 MAX_IN_FEATURES = 2**15  # SUM_SLACK holds up to here: 2 x (K / 32 + 64) x 2**-24 < 2**-12
 ROUNDING_ROOM = 1 + 2.0**-20  # the float64 norms' own rounding, and a little more
-SLACK_ABS = 1e-30  # denormal products the tile unit flushes to zero
+# what flushing denormals can move a logit by: K x 3 parts x FLT_MIN (1.2e-38) x d (at most
+# f16's 65504) stays under 1e-29 for K up to MAX_IN_FEATURES; this is far below any logit gap
+SLACK_ABS = 1e-25
 # Rows from which the screen pays: up to 5 rows the exact head is one tile job per block too,
 # and the screen's extra passes (its candidates, the recheck) cost ~0.05-0.1 ms more than they
 # save; at 6 / 9 / 16 / 32 rows SmolLM2's head took 1.93 / 2.28 / 4.0 / 7.4 ms exact and 1.79 /
 # 2.07 / 2.35 / 4.15 ms screened (BENCHMARKS.md "CPU, session 34").
 MIN_ROWS = 6
-LANES = 16  # columns per packed group (gguf_amx.LANES)
 
 
 class GreedyScreen:
