@@ -25,8 +25,8 @@ N, K = 256, 96  # 16 groups of 16 columns, 3 blocks of 32 inputs
 
 def near_tie_head(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks [N, K / 32 * 34] whose rows are one row of codes with a few codes moved by
-    one (exact logits d * (x_a + x_b - x_c - x_e) apart), row 5 with x_0's code raised by 20 and row 40 a copy
-    of it; and the dense weights."""
+    one (exact logits d * (x_a + x_b - x_c - x_e) apart), row 5 with x_0's code raised by 20
+    and row 40 a copy of it; and the dense weights."""
     rng = np.random.default_rng(seed)
     base = rng.integers(-100, 101, size=K)
     codes = np.tile(base, (N, 1))

@@ -82,7 +82,8 @@ class GGUFBlockLinear(nn.Module):
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] -> [R] int64, the argmax of each row of forward(x): through the greedy
         screen where this head has one and there are enough rows, else the logits."""
-        if self.greedy_screen is not None and x.dim() == 2 and x.shape[0] >= greedy_screen.MIN_ROWS:
+        if (self.greedy_screen is not None and x.dim() == 2
+                and x.shape[0] >= greedy_screen.MIN_ROWS):
             return self.greedy_screen.argmax(x, self.blocks)
         return fused_argmax.logits_argmax(self(x))
 
@@ -144,9 +145,9 @@ class GGUFBlocks(QuantizationMethod):
                     and linear.bias is None):
                 # greedy steps of several rows: screened in 1 bfloat16 part, rechecked exactly
                 # (Q8_0: the weights are d * q, the vector greedy_screen.py's bound needs)
-                layer.greedy_screen = GreedyScreen(
-                    getattr(self._kernels, f"{format_name.lower()}_amx_linear"),
-                    layer.out_features, linear.weight, self._kernels.screen_groups)
+                layer.greedy_screen = GreedyScreen(self._kernels.q8_0_amx_linear,
+                                                   layer.out_features, linear.weight,
+                                                   self._kernels.screen_groups)
             return layer
         kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
         return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
