@@ -820,6 +820,36 @@ def test_a_learning_batch_that_stops_speculating_early_learned_nothing():
     assert backoff.learns(next(batches))
 
 
+def test_a_batch_that_skips_learning_does_not_speculate_on_the_engines_average():
+    """While the backoff skips learning, a new closed batch decodes plainly for its life even
+    when the engine-wide acceptance (mostly the last batch's last verification) says a cap
+    pays: recent batches' own evidence said it did not. (H200, batch 32, acceptance 0.5: a
+    skipped batch started at cap 2 on that average and ran 5 steps at 0.95x.) The same batch
+    with learning allowed speculates: the test would see the difference."""
+    def young_cap(skip_left: int) -> tuple[int, bool]:
+        policy, _ = _draft_policy(0.5, lambda cap: 1.12 + 0.24 * cap)
+        policy.global_acceptance[:] = [0.9, 0.9]
+        policy.learning.fruitless, policy.learning.skip_left = 1, skip_left
+        closed = dict(plan_first=True, closed=True, remaining=[127] * 32, generated=[1] * 32)
+        policy.plan(list(range(100, 132)), [4] * 32, **closed)
+        return policy.last_cap, policy.settled_plain
+
+    assert young_cap(skip_left=1) == (0, True)
+    assert young_cap(skip_left=0)[0] > 0
+
+
+def test_a_batch_that_speculates_without_learning_is_judged_like_a_learning_one():
+    """A batch that did not learn, speculated past its start and then decoded plainly before
+    FRUITFUL_TOKENS counts as fruitless; it must not reset the backoff just because it was
+    speculating when first judged (session 34: that made the next batch learn again)."""
+    backoff = LearningBackoff(fruitless=1, skip_left=1)
+    assert not backoff.learns(list(range(32)))
+    backoff.settled(2, CLOSED_EXPLORE_TOKENS + 1)
+    assert (backoff.fruitless, backoff.skip_left, backoff.pending) == (1, 0, True)
+    backoff.settled(0, 14)
+    assert (backoff.fruitless, backoff.skip_left, backoff.pending) == (2, 3, False)
+
+
 def test_a_learning_step_gives_the_batch_its_own_mean_rate():
     """After a closed batch's learning step every sequence's first-proposal rate is the
     batch's mean outcome: one verification would move it only EMA_WEIGHT of the way from the

@@ -538,9 +538,15 @@ class AdaptiveSpeculation:
         # cap from plain decoding either, which would cost the same draft prefill
         learn = unverified and self.learning.learns([seq_ids[i] for i in unpinned])
         skipped = unverified and not learn
-        cap = self.last_cap = self.caps.choose(
-            self.costs.step, n, expected.tolist(),
-            explore_from_plain=not settled and not skipped, learn=learn)
+        # ... and it does not speculate on the engine-wide acceptance either: the backoff
+        # says recent batches' own evidence did not pay, and the engine-wide average is
+        # mostly the last verification step of the last batch (its EMA weighs 32 records a
+        # step), a noisy read of the same text. (H200, batch 32, acceptance 0.5: a skipped
+        # batch started at cap 2 on it, ran 5 steps at 0.95x plain decoding, and its
+        # speculating past CLOSED_EXPLORE_TOKENS reset the backoff.)
+        cap = self.last_cap = 0 if skipped else self.caps.choose(
+            self.costs.step, n, expected.tolist(), explore_from_plain=not settled,
+            learn=learn)
         if settled:
             self.learning.settled(cap, sum(generated) / len(generated))
         # A batch that skipped learning and decodes plainly is settled from its start: no

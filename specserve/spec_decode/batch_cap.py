@@ -125,21 +125,23 @@ class LearningBackoff:
 
     def settled(self, cap: int, generated: float) -> None:
         """A closed batch past its start chose `cap` (0: plain decoding) on its own evidence,
-        its sequences having generated `generated` tokens on average. A learning batch counts
-        as fruitful only once it is still speculating at FRUITFUL_TOKENS: at acceptance 0.5 on
-        the H200 at batch 32 most learning batches speculated for 4-23 steps after learning
-        and then decoded plainly (0.94-0.98x plain decoding), and each reset the backoff, so
-        8 of 9 batches paid for learning (session 22)."""
-        if not self.pending:
-            if cap > 0:  # (a batch that did not learn and speculates: its text pays)
+        its sequences having generated `generated` tokens on average. A batch counts as
+        fruitful only once it is still speculating at FRUITFUL_TOKENS, and one that
+        speculated (learning or not) and then decodes plainly before that counts as
+        fruitless: at acceptance 0.5 on the H200 at batch 32 most learning batches
+        speculated for 4-23 steps after learning and then decoded plainly (0.94-0.98x plain
+        decoding), and each reset the backoff, so 8 of 9 batches paid for learning (session
+        22); a batch that speculated a few steps without learning reset it the same way
+        (session 34)."""
+        if cap > 0:
+            if generated >= FRUITFUL_TOKENS:  # still speculating this far in: its text pays
                 self.fruitless = self.skip_left = 0
-            return
-        if cap == 0:
+                self.pending = False
+            else:
+                self.pending = True  # judged when it stops or reaches FRUITFUL_TOKENS
+        elif self.pending:
             self.fruitless += 1
             self.skip_left = min(2 ** self.fruitless - 1, MAX_UNLEARNED_BATCHES)
-            self.pending = False
-        elif generated >= FRUITFUL_TOKENS:
-            self.fruitless = self.skip_left = 0
             self.pending = False
 
 
