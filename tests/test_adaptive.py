@@ -823,7 +823,7 @@ def test_a_learning_batch_that_stops_speculating_early_learned_nothing():
 def test_a_batch_that_skips_learning_does_not_speculate_on_the_engines_average():
     """While the backoff skips learning, a new closed batch decodes plainly for its life even
     when the engine-wide acceptance (mostly the last batch's last verification) says a cap
-    pays: recent batches' own evidence said it did not. (H200, batch 32, acceptance 0.5: a
+    pays: recent batches' own evidence said it did not. (H100, batch 32, acceptance 0.5: a
     skipped batch started at cap 2 on that average and ran 5 steps at 0.95x.) The same batch
     with learning allowed speculates: the test would see the difference."""
     def young_cap(skip_left: int) -> tuple[int, bool]:

@@ -541,7 +541,7 @@ class AdaptiveSpeculation:
         # ... and it does not speculate on the engine-wide acceptance either: the backoff
         # says recent batches' own evidence did not pay, and the engine-wide average is
         # mostly the last verification step of the last batch (its EMA weighs 32 records a
-        # step), a noisy read of the same text. (H200, batch 32, acceptance 0.5: a skipped
+        # step), a noisy read of the same text. (H100, batch 32, acceptance 0.5: a skipped
         # batch started at cap 2 on it, ran 5 steps at 0.95x plain decoding, and its
         # speculating past CLOSED_EXPLORE_TOKENS reset the backoff.)
         cap = self.last_cap = 0 if skipped else self.caps.choose(
