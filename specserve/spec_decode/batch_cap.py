@@ -100,10 +100,11 @@ class LearningBackoff:
     learning step (the draft's prefill of 4111 prompt tokens, 24.5 ms against a 5.6 ms plain
     step) and the caps tried after it cost 2.4-3.4 % of each batch, most of the 4-6 % lost there
     (0.94-0.96x). So each learning after which the batch settled on plain decoding doubles the
-    number of new closed batches that start without learning (1, 3, then at most
-    MAX_UNLEARNED_BATCHES), and a batch that settles speculating resets it: a shift to text that
-    accepts well is found within MAX_UNLEARNED_BATCHES + 1 batches, and a batch whose engine-wide
-    acceptance already says speculate needs no learning at all. A batch is known by its
+    number of new closed batches that decode plainly throughout, without learning and without
+    speculating on the engine-wide acceptance (1, 3, then at most MAX_UNLEARNED_BATCHES), and a
+    batch that settles speculating resets it: a shift to text that accepts well is found within
+    MAX_UNLEARNED_BATCHES + 1 batches, and a batch allowed to learn whose engine-wide acceptance
+    already says speculate needs no learning step at all. A batch is known by its
     sequences (ids are never reused), so every young step of it gets the same answer."""
 
     fruitless: int = 0  # learnings in a row after which the batch settled on plain decoding
