@@ -20,7 +20,8 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
     kernels is None, reason="the CPU kernels did not build (no C++ compiler?); see the log")
 
-ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17]  # tiles of 1/2/3/4 rows and their remainders
+# every tile of rows (1-11) and tilings past it: 12 = 6 + 6, 23 = 8 + 8 + 7, 34 = 9 + 9 + 9 + 7
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 16, 17, 23, 34]
 
 
 @pytest.mark.parametrize("qtype,kernel", [(QT.Q4_1, "q4_1_linear"), (QT.Q8_0, "q8_0_linear")])

@@ -12,7 +12,7 @@
 //   Q4_1 block (20 bytes): f16 d, f16 m, 16 bytes; value j = d * (byte[j] & 15) + m for j < 16,
 //                          d * (byte[j - 16] >> 4) + m for j >= 16.
 //   Q8_0 block (34 bytes): f16 d, 32 x int8; value j = d * q[j].
-// Rows of x are processed in tiles of up to 8 so that each decoded block serves all of them.
+// Rows of x are processed in tiles of up to 11 so that each decoded block serves all of them.
 
 #include "cpu_kernels.h"
 
@@ -29,7 +29,7 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 constexpr int kBlock = 32;
-constexpr int kTile = 8;  // rows of x sharing one decode of a block
+constexpr int kWideTile = 11;  // rows of x sharing one decode of a block (see rows_per_tile)
 constexpr int64_t kPanel = 32;  // weight rows kept in cache while all rows of x pass
 constexpr int64_t kPrefetchBlocks = 64;  // how far ahead of a weight row's block to prefetch
 
@@ -150,14 +150,14 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
   for (; i < n1; ++i) tile<Format, Rows, 1>(x, k, w + i * row_bytes, row_bytes, blocks, y + i, n);
 }
 
-// Up to 8 rows of x at a time (a verification of k = 4..7 proposals decodes each block once).
+// Up to 11 rows of x at a time (a verification of k <= 10 proposals decodes each block once).
 // Cols per row count as measured on the 2-core AMD EPYC (Zen 4) CI machine, all 121 SmolLM2
 // matrices cycled (weights from DRAM), 7 interleaved rounds: one weight row at a time for 1-2
 // rows of x (1 row: 14 % faster on the Q4_1 matrices and 30 % on the Q8_0 head than 4 columns;
 // fewer concurrent weight streams), 4 columns for 3 rows, 3 for 4, 2 for 5-8 (5 rows: 4.5 % /
-// 24 % faster than 3). Accumulators: at most 16 of the 32 vector registers, leaving room for the
-// decoded blocks, the rows of x and the decode's constants. The columns never change an
-// output's bits (see tile's kSplit).
+// 24 % faster than 3); 2 for 9-11 too (rows_per_tile). Accumulators: at most 22 of the 32
+// vector registers, leaving room for the decoded blocks, the rows of x and the decode's
+// constants. The columns never change an output's bits (see tile's kSplit).
 template <typename Format>
 static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                           int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
@@ -169,8 +169,23 @@ static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w,
     case 5: return rows_block<Format, 5, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 6: return rows_block<Format, 6, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 7: return rows_block<Format, 7, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    default: return rows_block<Format, kTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 8: return rows_block<Format, 8, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 9: return rows_block<Format, 9, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 10: return rows_block<Format, 10, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    default: return rows_block<Format, kWideTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
   }
+}
+
+// Rows of x per tile for m rows in all: as few tiles as hold them (at most kWideTile rows each),
+// rows spread evenly (32 = 11 + 11 + 10). Why: every tile decodes the blocks again, and that
+// decode costs about what 4 rows of FMAs do. On a 2-core Ice Lake Xeon (no AMX; SmolLM2's 120
+// Q4_1 matrices, session 36) a tile of R rows took ~3.7 + 0.95 R ms: 8 rows 11.1 ms; 9 / 10 / 11
+// rows 15.0-15.5 / 16.3-16.6 / 17.1-17.4 ms as 8 + 1-3 (the former tiling: up to 8 a tile)
+// against 12.0-12.3 / 13.1-14.2 / 14.6-15.1 ms as one tile. 11 rows x 2 columns is 22
+// accumulators; 12 rows spilled (27.7 ms). A function of m alone, as the bits must be.
+static inline int rows_per_tile(int64_t m) {
+  const int64_t tiles = (m + kWideTile - 1) / kWideTile;
+  return static_cast<int>((m + tiles - 1) / tiles);
 }
 
 template <typename Format>
@@ -193,8 +208,9 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += kPanel) {
       const int64_t p1 = std::min(end, p0 + kPanel);
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTile, m - r0));
+      const int tile_rows = rows_per_tile(m);
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m - r0));
         rows_dispatch<Format>(rows, xp + r0 * k, k, wp, row_bytes, blocks, yp + r0 * n, n, p0, p1);
       }
     }

@@ -26,7 +26,7 @@ the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K,
 stay dense float32.
 
 Rows: every float32 product goes through the kernel, whatever its row count. Its tiles decode
-each block once for up to 8 rows of x and keep a panel of weight rows in cache while every tile
+each block once for up to 11 rows of x and keep a panel of weight rows in cache while every tile
 of x passes, so at many rows it is bound by float32 FMAs (AVX-512 here), while MKL's sgemm on the
 dense weight runs at its AVX2 rate on this AMD CPU and reads 6.4x the bytes. Measured on the
 2-core CI machine (2026-12-04, session 13, one shape each, weights cold): SmolLM2's gate 1536x576
