@@ -55,6 +55,20 @@ def test_block_linear_bits_do_not_depend_on_the_column_tiling(qtype, kernel):
         for n in (1, 2, 3, 5, 7):
             assert torch.equal(fn(x, raw[:n].contiguous()), whole[:, :n]), (rows, n)
 
+@pytest.mark.parametrize("qtype,kernel", [(QT.Q4_1, "q4_1_linear"), (QT.Q8_0, "q8_0_linear")])
+def test_block_linear_bits_do_not_depend_on_how_many_rows_verify(qtype, kernel):
+    """From 3 rows of x on, every tile holds 3 or more rows (rows_per_tile spreads them evenly
+    over tiles of up to 11), and such tiles all sum in one order: a row's outputs have the same
+    bits whether 3 or 34 rows pass together. (With tiles of 8 and the rest, a 9-row pass put its
+    last row alone in a tile that sums in two halves.)"""
+    raw, _ = gguf_blocks(qtype, 40, 96, seed=6)
+    fn = getattr(kernels, kernel)
+    x = torch.randn(34, 96, generator=torch.Generator().manual_seed(7))
+    whole = fn(x, raw)  # [34, 40]
+    for rows in range(3, 34):
+        assert torch.equal(fn(x[:rows], raw), whole[:rows]), rows
+
+
 def test_block_linear_rejects_bad_shapes():
     raw, _ = gguf_blocks(QT.Q4_1, 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="wrong number of bytes"):
