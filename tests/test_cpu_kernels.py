@@ -55,6 +55,7 @@ def test_block_linear_bits_do_not_depend_on_the_column_tiling(qtype, kernel):
         for n in (1, 2, 3, 5, 7):
             assert torch.equal(fn(x, raw[:n].contiguous()), whole[:, :n]), (rows, n)
 
+
 @pytest.mark.parametrize("qtype,kernel", [(QT.Q4_1, "q4_1_linear"), (QT.Q8_0, "q8_0_linear")])
 def test_block_linear_bits_do_not_depend_on_how_many_rows_verify(qtype, kernel):
     """From 3 rows of x on, every tile holds 3 or more rows (rows_per_tile spreads them evenly

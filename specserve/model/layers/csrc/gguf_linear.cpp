@@ -205,10 +205,10 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w
   const int64_t row_bytes = w.size(1);
   // Each thread takes a contiguous range of output features (weight rows) and all rows of x.
   // A panel of kPanel weight rows stays in cache while every tile of x's rows passes over it.
+  const int tile_rows = rows_per_tile(m);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += kPanel) {
       const int64_t p1 = std::min(end, p0 + kPanel);
-      const int tile_rows = rows_per_tile(m);
       for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m - r0));
         rows_dispatch<Format>(rows, xp + r0 * k, k, wp, row_bytes, blocks, yp + r0 * n, n, p0, p1);
