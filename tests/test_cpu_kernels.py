@@ -176,7 +176,10 @@ def test_run_attention_row_bits_do_not_depend_on_the_run():
                                      torch.tensor([last]), 0.125)
 
     whole = run(0, length)  # [200, H, D], rows in blocks of 64
-    for first, last in [(0, 1), (63, 64), (64, 65), (100, 106), (130, 200), (5, 133)]:
+    # runs whose rows go in pairs (csrc/attention.cpp) across a 16-key group edge: (14, 19),
+    # (31, 34), (78, 90), (15, 17)
+    for first, last in [(0, 1), (63, 64), (64, 65), (100, 106), (130, 200), (5, 133), (14, 19),
+                        (31, 34), (78, 90), (15, 17)]:
         assert torch.equal(run(first, last), whole[first:last]), (first, last)
 
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -73,6 +74,53 @@ inline float row_max(const float* row, int64_t n) {
   for (int l = 0; l < 16; ++l) m = std::max(m, lanes[l]);
   for (; j < n; ++j) m = std::max(m, row[j]);
   return m;
+}
+
+// The partial sums of q . k_j: 16 lanes (the reduction tree or a lane sum finishes them).
+template <int CH>
+inline f32x16 partial_dot(const f32x16* qv, const float* kj) {
+  f32x16 a = qv[0] * load16(kj);
+  for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
+  return a;
+}
+
+// Scores of one query row for keys [j0, hi): 16 at a time through one reduction tree, then the
+// remaining keys one by one.
+template <int CH>
+void score_row(const float* q, const float* k, int64_t kv_stride, int64_t j0, int64_t hi,
+               float scale, float* row) {
+  f32x16 qv[CH];
+  for (int c = 0; c < CH; ++c) qv[c] = load16(q + 16 * c);
+  int64_t j = j0;
+  for (; j + 16 <= hi; j += 16) {
+    f32x16 acc[16];
+    for (int jj = 0; jj < 16; ++jj) acc[jj] = partial_dot<CH>(qv, k + (j + jj) * kv_stride);
+    store16(row + j, sum16x16(acc) * scale);
+  }
+  for (; j < hi; ++j) row[j] = hsum16(partial_dot<CH>(qv, k + j * kv_stride)) * scale;
+}
+
+// Scores of two query rows for keys [j0, j1) (a multiple of 16 keys): 8 keys of each row per
+// reduction tree, so each key is loaded once for both rows. Same bits as score_row's groups.
+template <int CH>
+void score_pairs(const float* qa, const float* qb, const float* k, int64_t kv_stride, int64_t j0,
+                 int64_t j1, float scale, float* row_a, float* row_b) {
+  f32x16 qva[CH], qvb[CH];
+  for (int c = 0; c < CH; ++c) {
+    qva[c] = load16(qa + 16 * c);
+    qvb[c] = load16(qb + 16 * c);
+  }
+  for (int64_t j = j0; j < j1; j += 8) {
+    f32x16 acc[16];
+    for (int jj = 0; jj < 8; ++jj) {
+      const float* kj = k + (j + jj) * kv_stride;
+      acc[jj] = partial_dot<CH>(qva, kj);
+      acc[8 + jj] = partial_dot<CH>(qvb, kj);
+    }
+    const f32x16 both = sum16x16(acc) * scale;  // lanes 0-7: row a's keys, 8-15: row b's
+    std::memcpy(row_a + j, &both, 8 * sizeof(float));
+    std::memcpy(row_b + j, reinterpret_cast<const float*>(&both) + 8, 8 * sizeof(float));
+  }
 }
 
 constexpr int64_t kKeyChunk = 64;  // keys whose K rows stay in L1 while every query row passes
@@ -126,31 +174,25 @@ void attend_head(const float* q, int64_t q_stride, int64_t q_len, const float* k
   buffer.resize(static_cast<size_t>(q_len * ld + q_len));
   float* scores = buffer.data();  // [q_len, ld]: scores, then probabilities (0 past a row's keys)
   float* inv_sums = scores + q_len * ld;  // [q_len]
-  // 1. scores
+  // 1. scores. Row i takes the keys of [c0, its limit) in groups of 16 (one reduction tree)
+  // and the rest one by one (a lane sum); which keys go which way depends on the row's own
+  // position alone. Rows go in pairs while both are in groups: 8 keys of each share a tree and
+  // each key's loads serve both rows. Same bits (a key's partial sums and its tree do not
+  // depend on the vectors beside it); a SmolLM2 layer's attention of 2-9 rows to 251-500 keys
+  // took 16-21 % less time on the 2-core Ice Lake Xeon (session 37), 1 row unchanged.
   for (int64_t c0 = 0; c0 < seq_len; c0 += kKeyChunk) {
     const int64_t c1 = std::min(seq_len, c0 + kKeyChunk);
-    for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t hi = std::min(c1, first_keys + i);
-      f32x16 qv[CH];
-      for (int c = 0; c < CH; ++c) qv[c] = load16(q + i * q_stride + 16 * c);
-      float* row = scores + i * ld;
-      int64_t j = c0;
-      for (; j + 16 <= hi; j += 16) {  // 16 keys at a time, one reduction tree
-        f32x16 acc[16];
-        for (int jj = 0; jj < 16; ++jj) {
-          const float* kj = k + (j + jj) * kv_stride;
-          f32x16 a = qv[0] * load16(kj);
-          for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
-          acc[jj] = a;
-        }
-        store16(row + j, sum16x16(acc) * scale);
-      }
-      for (; j < hi; ++j) {
-        const float* kj = k + j * kv_stride;
-        f32x16 a = qv[0] * load16(kj);
-        for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
-        row[j] = hsum16(a) * scale;
-      }
+    for (int64_t i = 0; i < q_len; i += 2) {
+      const bool pair = i + 1 < q_len;
+      const int64_t hi_a = std::max(c0, std::min(c1, first_keys + i));
+      const int64_t hi_b = pair ? std::max(c0, std::min(c1, first_keys + i + 1)) : c0;
+      // the grouped keys both rows have: a multiple of 16 past c0
+      const int64_t both = pair ? c0 + std::min(hi_a - c0, hi_b - c0) / 16 * 16 : c0;
+      if (both > c0) score_pairs<CH>(q + i * q_stride, q + (i + 1) * q_stride, k, kv_stride,
+                                      c0, both, scale, scores + i * ld, scores + (i + 1) * ld);
+      score_row<CH>(q + i * q_stride, k, kv_stride, both, hi_a, scale, scores + i * ld);
+      if (pair) score_row<CH>(q + (i + 1) * q_stride, k, kv_stride, both, hi_b, scale,
+                              scores + (i + 1) * ld);
     }
   }
   // 2. softmax numerators; keys past a row's limit get probability 0
