@@ -186,8 +186,8 @@ void attend_head(const float* q, int64_t q_stride, int64_t q_len, const float* k
       const bool pair = i + 1 < q_len;
       const int64_t hi_a = std::max(c0, std::min(c1, first_keys + i));
       const int64_t hi_b = pair ? std::max(c0, std::min(c1, first_keys + i + 1)) : c0;
-      // the grouped keys both rows have: a multiple of 16 past c0
-      const int64_t both = pair ? c0 + std::min(hi_a - c0, hi_b - c0) / 16 * 16 : c0;
+      // row a's grouped keys (a multiple of 16 past c0): row b, one key further, has them too
+      const int64_t both = pair ? c0 + (hi_a - c0) / 16 * 16 : c0;
       if (both > c0) score_pairs<CH>(q + i * q_stride, q + (i + 1) * q_stride, k, kv_stride,
                                       c0, both, scale, scores + i * ld, scores + (i + 1) * ld);
       score_row<CH>(q + i * q_stride, k, kv_stride, both, hi_a, scale, scores + i * ld);
