@@ -26,8 +26,9 @@ tokens per request:
 
 Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), "[ngram]" with
 ``ngram_prompt_lookup_aligned=True`` (the occurrence the answer is copying, spec_decode/ngram.py)
-at the same k and at k = 8, and "[suffix]" as ``LLM(speculative_model="[suffix]")`` configures
-it (k = its max tree depth, 24, as vLLM).
+at the same k and at k = 8, "[suffix]" as ``LLM(speculative_model="[suffix]")`` configures
+it (k = its max tree depth, 24, as vLLM), and the same with ``ngram_prompt_lookup_aligned=True``
+(the aligned lookup proposing beside the suffix trees, spec_decode/hybrid.py).
 For each specserve method the acceptance rate (accepted / proposed), the mean acceptance length
 (tokens emitted per speculative step, 1 .. k+1) and the share of decode steps that speculated
 are printed from the engine's counters. A second plain engine (the A/A control, built last;
@@ -308,6 +309,9 @@ def main() -> None:
         # to suffix_decoding_max_tree_depth tokens (24), as many as its match supports
         f'specserve "[suffix]" default k={SUFFIX_DEFAULT_K}': Ours(speculative_model="[suffix]",
                                                                    **quant),
+        # ... with the aligned prompt lookup beside the suffix trees (spec_decode/hybrid.py)
+        f'specserve "[suffix]" + aligned lookup k={SUFFIX_DEFAULT_K}': Ours(
+            speculative_model="[suffix]", ngram_prompt_lookup_aligned=True, **quant),
     }
     if not args.no_control:
         # A second plain engine, built after the speculative ones: its ratio to the first is

@@ -153,7 +153,8 @@ def test_aligned_option_is_validated_and_reaches_the_proposer():
     assert not SpeculativeConfig.from_args(speculative_model="[ngram]", num_speculative_tokens=3,
                                            ngram_prompt_lookup_max=3).ngram_prompt_lookup_aligned
     with pytest.raises(ValueError, match="ngram_prompt_lookup_aligned applies to"):
-        SpeculativeConfig.from_args(speculative_model="[suffix]", ngram_prompt_lookup_aligned=True)
+        SpeculativeConfig.from_args(speculative_model="/some/draft", num_speculative_tokens=3,
+                                    ngram_prompt_lookup_aligned=True)
     with pytest.raises(ValueError, match="must be True or False"):
         SpeculativeConfig.from_args(speculative_model="[ngram]", num_speculative_tokens=3,
                                     ngram_prompt_lookup_max=3, ngram_prompt_lookup_aligned=1)
@@ -213,7 +214,7 @@ def test_ngram_sampled_requests_work(tiny_llama, test_prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, aligned", [("[ngram]", False), ("[ngram]", True),
-                                             ("[suffix]", False)])
+                                             ("[suffix]", False), ("[suffix]", True)])
 def test_smollm2_repeat_prompt_greedy_equal_and_high_acceptance(smollm2_gguf, method, aligned):
     """SmolLM2 asked to repeat its input: output equals plain decoding, and the draft-free
     proposals are accepted in long runs (fixed k, so that the proposer is measured, not the
@@ -229,7 +230,7 @@ def test_smollm2_repeat_prompt_greedy_equal_and_high_acceptance(smollm2_gguf, me
     expected = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     del plain
     extra = ({"ngram_prompt_lookup_max": 4, "ngram_prompt_lookup_aligned": aligned}
-             if method == "[ngram]" else {})
+             if method == "[ngram]" else {"ngram_prompt_lookup_aligned": aligned})
     llm = LLM(model=str(smollm2_gguf), device="cpu", max_model_len=1024,
               speculative_model=method, num_speculative_tokens=5, speculative_adaptive=False,
               **extra)

@@ -89,6 +89,9 @@ def _prompts(tokenizer_llm, lengths: list[int]) -> list[list[int]]:
 METHODS = {
     "ngram": lambda tiny: dict(speculative_model="[ngram]", ngram_prompt_lookup_max=3),
     "suffix": lambda tiny: dict(speculative_model="[suffix]"),
+    # ... with the aligned prompt lookup beside the suffix trees (spec_decode/hybrid.py)
+    "suffix-lookup": lambda tiny: dict(speculative_model="[suffix]",
+                                       ngram_prompt_lookup_aligned=True),
     "draft": lambda tiny: dict(speculative_model=str(tiny)),
     # the draft's proposals and the next verification launched ahead (the CUDA default)
     "draft-ahead": lambda tiny: dict(speculative_model=str(tiny)),

@@ -176,8 +176,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("ngram_prompt_lookup_max", int, "longest n-gram matched for '[ngram]'"),
     EngineFlag("ngram_prompt_lookup_min", int, "shortest n-gram matched for '[ngram]'"),
     EngineFlag("ngram_prompt_lookup_aligned", None,
-               "'[ngram]' prefers the occurrence the answer is copying over the most recent one",
-               bool_value=True),
+               "'[ngram]' prefers the occurrence the answer is copying over the most recent one; "
+               "'[suffix]' also proposes from that lookup", bool_value=True),
     EngineFlag("speculative_draft_tensor_parallel_size", int,
                "tensor-parallel GPUs for the draft (only 1 so far)", aliases=("-spec-draft-tp",)),
     EngineFlag("speculative_max_model_len", parse_human_int, "context length of the draft"),

@@ -9,6 +9,7 @@ import torch
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.sequence import Sequence
 from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.hybrid import HybridProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
@@ -62,10 +63,15 @@ def create_proposer(spec: SpeculativeConfig, draft_runner: ModelRunner | None, n
         return NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min,
                              spec.ngram_prompt_lookup_aligned)
     if spec.method == "suffix":
-        return SuffixProposer(spec.suffix_decoding_max_tree_depth,
-                              spec.suffix_decoding_max_cached_requests,
-                              spec.suffix_decoding_max_spec_factor,
-                              spec.suffix_decoding_min_token_prob)
+        suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth,
+                                spec.suffix_decoding_max_cached_requests,
+                                spec.suffix_decoding_max_spec_factor,
+                                spec.suffix_decoding_min_token_prob)
+        if not spec.ngram_prompt_lookup_aligned:
+            return suffix
+        lookup = NgramProposer(spec.ngram_prompt_lookup_max, spec.ngram_prompt_lookup_min,
+                               aligned=True)
+        return HybridProposer(suffix, lookup)
     assert draft_runner is not None
     return DraftModelProposer(
         draft_runner, BlockManager(num_blocks, block_size, enable_prefix_caching), vocab_size,

@@ -11,6 +11,7 @@ from specserve.model.layers.quantization import get_quantization_method
 NGRAM_MODEL_NAME = "[ngram]"
 SUFFIX_MODEL_NAME = "[suffix]"
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+SUFFIX_LOOKUP_MAX = 4  # n-gram length of the aligned lookup beside '[suffix]', unless given
 METHODS = ("draft_model", "ngram", "suffix", "mlp_speculator", "medusa", "eagle")
 # Suffix decoding options: the same name as an LLM keyword, a v1 dict key and a field (vLLM's).
 SUFFIX_OPTIONS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -48,7 +49,9 @@ class SpeculativeConfig:
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     # '[ngram]' prefers the occurrence the answer is copying (ngram.AlignedNgramIndex); off:
-    # vLLM's rule, the most recent occurrence
+    # vLLM's rule, the most recent occurrence. '[suffix]': that aligned lookup proposes beside
+    # the suffix trees, each step the source lately right more often (hybrid.py); off: vLLM's
+    # suffix decoding alone
     ngram_prompt_lookup_aligned: bool = False
     draft_tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -80,9 +83,17 @@ class SpeculativeConfig:
         if not isinstance(self.ngram_prompt_lookup_aligned, bool):
             _fail(f"ngram_prompt_lookup_aligned={self.ngram_prompt_lookup_aligned!r} must be "
                   "True or False.")
-        if self.ngram_prompt_lookup_aligned and self.method != "ngram":
-            _fail("ngram_prompt_lookup_aligned applies to '[ngram]' only, not to method "
-                  f"{self.method!r}.")
+        if self.ngram_prompt_lookup_aligned and self.method not in ("ngram", "suffix"):
+            _fail("ngram_prompt_lookup_aligned applies to '[ngram]' and '[suffix]' only, not to "
+                  f"method {self.method!r}.")
+        if self.method == "suffix" and self.ngram_prompt_lookup_aligned:
+            hi, lo = self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min
+            if not isinstance(hi, int) or isinstance(hi, bool) or hi < 1:
+                _fail(f"ngram_prompt_lookup_max={hi!r} must be an int >= 1 (the aligned lookup "
+                      "beside '[suffix]').")
+            if not isinstance(lo, int) or isinstance(lo, bool) or not 1 <= lo <= hi:
+                _fail(f"ngram_prompt_lookup_min={lo!r} must be an int in [1, "
+                      f"ngram_prompt_lookup_max={hi}].")
         if self.method == "draft_model" and not self.model:
             _fail("a draft model path is required for method 'draft_model'.")
         if self.draft_tensor_parallel_size != 1:
@@ -193,7 +204,12 @@ class SpeculativeConfig:
         if not isinstance(speculative_adaptive, bool):
             _fail(f"speculative_adaptive={speculative_adaptive!r} must be True or False.")
         values["adaptive"] = speculative_adaptive
-        if method == "ngram" and values["ngram_prompt_lookup_min"] is None:
-            values["ngram_prompt_lookup_min"] = 1
+        if method == "suffix" and values["ngram_prompt_lookup_aligned"] is True:
+            # the aligned lookup beside the suffix trees (hybrid.py): "[ngram]"'s usual n <= 4
+            if values["ngram_prompt_lookup_max"] is None:
+                values["ngram_prompt_lookup_max"] = SUFFIX_LOOKUP_MAX
+        if method in ("ngram", "suffix") and values["ngram_prompt_lookup_min"] is None:
+            if method == "ngram" or values["ngram_prompt_lookup_aligned"] is True:
+                values["ngram_prompt_lookup_min"] = 1
         known = {f.name for f in fields(cls)}
         return cls(method=method, **{k: v for k, v in values.items() if k in known})
