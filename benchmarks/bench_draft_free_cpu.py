@@ -145,6 +145,7 @@ class Ours:
         from specserve.spec_decode.suffix import OutputCache
 
         proposer = self.llm.llm_engine.speculation.proposer if self.spec else None
+        proposer = getattr(proposer, "suffix", proposer)  # the suffix trees beside a lookup
         cache = getattr(proposer, "cache", None)
         if isinstance(cache, OutputCache):
             proposer.cache = OutputCache(cache.tree.max_depth, cache.max_requests)

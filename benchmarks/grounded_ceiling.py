@@ -19,7 +19,9 @@ this very data, reaches; and the engine's own adaptive policy (spec_decode/adapt
 over the same proposals with these pass costs fed to it as its step times, shows how much of the
 hindsight bound the policy itself leaves, free of this machine's noise. The same three numbers
 (hindsight, every proposal verified whole, the policy) are given for "[suffix]" proposals at
-k = 5 and at its default k = 24, from the engine's SuffixProposer run over the same output.
+k = 5 and at its default k = 24, from the engine's SuffixProposer run over the same output; and
+for "[suffix]" with the aligned lookup beside it (spec_decode/hybrid.py: the engine's
+HybridProposer run over the output), beside the better of the two sources at every position.
 
 Host work outside the pass is left out. It is paid once per step, so speculation pays it less
 often, but a step with proposals does more of it: on the CI machine at batch 1 (gguf_a8,
@@ -54,7 +56,9 @@ from specserve.engine.sequence import Sequence, SequenceStatus  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.spec_decode.adaptive import AdaptiveSpeculation  # noqa: E402
 from specserve.spec_decode.evidence import ALIGNED  # noqa: E402
-from specserve.spec_decode.ngram import AlignedNgramIndex, NgramIndex  # noqa: E402
+from specserve.spec_decode.hybrid import HybridProposer  # noqa: E402
+from specserve.spec_decode.ngram import AlignedNgramIndex, NgramIndex, NgramProposer  # noqa: E402
+from specserve.spec_decode.proposer import Proposer  # noqa: E402
 from specserve.spec_decode.spec_config import SpeculativeConfig  # noqa: E402
 from specserve.spec_decode.suffix import SuffixProposer  # noqa: E402
 from specserve.worker.model_runner import SequenceRun  # noqa: E402
@@ -124,15 +128,21 @@ def accepted_runs(prompt: list[int], output: list[int], n_max: int, k: int,
     return rows
 
 
-def suffix_runs(prompts: list[list[int]], outputs: list[list[int]], k: int
-                ) -> list[list[tuple[int, int, int]]]:
+def default_suffix_proposer() -> SuffixProposer:
+    """The engine's SuffixProposer with vLLM's default options."""
+    defaults = SpeculativeConfig.__dataclass_fields__
+    return SuffixProposer(*(defaults[f"suffix_decoding_{name}"].default for name in (
+        "max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")))
+
+
+def suffix_runs(prompts: list[list[int]], outputs: list[list[int]], k: int,
+                proposer: Proposer | None = None) -> list[list[tuple[int, int, int]]]:
     """accepted_runs for "[suffix]": per prompt and output position, (match length, proposal
     length, accepted tokens) of what the engine's SuffixProposer (vLLM's default options)
-    proposes with the output so far known. The prompts run in order through one proposer, so
-    each sees the earlier ones' outputs in its global tree, as in the benchmark's run."""
-    defaults = SpeculativeConfig.__dataclass_fields__
-    proposer = SuffixProposer(*(defaults[f"suffix_decoding_{name}"].default for name in (
-        "max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")))
+    proposes with the output so far known, or what `proposer` does (HybridProposer: "[suffix]"
+    with the aligned lookup beside it). The prompts run in order through one proposer, so each
+    sees the earlier ones' outputs in its global tree, as in the benchmark's run."""
+    proposer = proposer or default_suffix_proposer()
     per_prompt = []
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         seq = Sequence(i, f"replay-{i}", 0, list(prompt), SamplingParams(max_tokens=len(output)),
@@ -443,6 +453,30 @@ def main() -> None:
                     plain_cost / sum(verify_all_cost(r, cost) for r in rows),
                     plain_cost / policy_cost(rows, cost, k)]
         print(f"| {k} | " + " | ".join(f"{x:.3f}x" for x in speedups) + " |")
+
+    k = SUFFIX_DEFAULT_K
+    print('\n"[suffix]" with the aligned lookup beside it (ngram_prompt_lookup_aligned=True, '
+          "spec_decode/hybrid.py), the same output, k = 24:\n")
+    suffix = suffix_runs(prompts, outputs, k)
+    aligned = [accepted_runs(p, o, args.ngram_max, k, False, aligned=True)
+               for p, o in zip(prompts, outputs, strict=True)]
+    lookup = NgramProposer(args.ngram_max, 1, aligned=True)
+    hybrid = suffix_runs(prompts, outputs, k, HybridProposer(default_suffix_proposer(), lookup))
+    better = [[(1, max(a[1], b[1]), max(a[2], b[2])) for a, b in zip(ra, rb, strict=True)]
+              for ra, rb in zip(aligned, suffix, strict=True)]
+    only = [sum((a[2] > 0) > (b[2] > 0) for ra, rb in zip(x, y, strict=True)
+                for a, b in zip(ra, rb, strict=True)) for x, y in ((aligned, suffix),
+                                                                  (suffix, aligned))]
+    print(f"first token accepted only from the lookup at {only[0]} positions, only from the "
+          f"suffix trees at {only[1]}\n")
+    print("| proposals | hindsight | adaptive policy replayed |")
+    print("|---|---:|---:|")
+    for name, rows in (("aligned lookup alone", aligned), ('"[suffix]" alone', suffix),
+                       ("the hybrid's choice", hybrid)):
+        print(f"| {name} | {plain_cost / sum(hindsight_cost(r, cost) for r in rows):.3f}x | "
+              f"{plain_cost / policy_cost(rows, cost, k):.3f}x |")
+    print(f"| the better of the two at every position | "
+          f"{plain_cost / sum(hindsight_cost(r, cost) for r in better):.3f}x | - |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from specserve.spec_decode.evidence import (
     DECAY,
     EXACT_CLASSES,
     LENGTH_CLASSES,
+    LOOKUP,
     NUM_CLASSES,
     PRIOR_WEIGHT,
     EvidenceAcceptance,
@@ -33,7 +34,10 @@ def test_aligned_proposals_have_classes_of_their_own():
     plain = [evidence_class(m) for m in range(1, 200)]
     aligned = [evidence_class(aligned_evidence(m)) for m in range(1, 200)]
     assert aligned == [c + LENGTH_CLASSES for c in plain]
-    assert max(aligned) == NUM_CLASSES - 1
+    # ... and a lookup's most recent occurrences beside suffix trees (hybrid.py) a third
+    lookup = [evidence_class(m | LOOKUP) for m in range(1, 200)]
+    assert lookup == [c + 2 * LENGTH_CLASSES for c in plain]
+    assert max(lookup) == NUM_CLASSES - 1
     ev = EvidenceAcceptance()
     for _ in range(20):
         ev.record(aligned_evidence(1), 2, 2)

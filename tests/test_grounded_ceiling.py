@@ -94,6 +94,23 @@ def test_suffix_runs_propose_what_followed_and_count_what_matches():
     assert second[0] == (3, 1, 1)  # "8 6 0" was followed by 5 in the first request's output
 
 
+def test_hybrid_runs_replay_the_chosen_candidate():
+    """The hybrid replay ("[suffix]" with the aligned lookup beside it): at the first position
+    both sources match the tail [1, 2, 3, 4] and no rate is known yet, so the longer candidate
+    is proposed: the lookup's 8 6 0 1 2 (k = 5) over suffix's 8 6 0 1 (match length 4)."""
+    from specserve.spec_decode.evidence import LOOKUP
+    from specserve.spec_decode.hybrid import HybridProposer
+    from specserve.spec_decode.ngram import NgramProposer
+
+    prompt = [9, 1, 2, 3, 4, 8, 6, 0, 1, 2, 3, 4]
+    output = [8, 6, 0, 5]
+    hybrid = HybridProposer(ceiling.default_suffix_proposer(), NgramProposer(4, 1, aligned=True))
+    rows = ceiling.suffix_runs([prompt], [output], k=5, proposer=hybrid)[0]
+    assert rows[0] == (4 | LOOKUP, 5, 3)  # the lookup's own classes (evidence.LOOKUP)
+    assert all(a <= p for _, p, a in rows)
+    assert sum(hybrid.rates.made[0]) > 0 and sum(hybrid.rates.made[1]) > 0  # both scored
+
+
 def test_verifying_every_proposal_whole_pays_for_its_rejected_rows():
     rows = [(1, 4, 0), (3, 4, 4), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
     assert ceiling.verify_all_cost(rows, LINEAR) == ceiling.rule_cost(rows, LINEAR, (0, 4, 4, 4, 4))

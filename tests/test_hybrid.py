@@ -9,14 +9,14 @@ from helpers import tiny_llm
 
 from specserve import LLM, SamplingParams
 from specserve.engine.sequence import Sequence, SequenceStatus
-from specserve.spec_decode.evidence import aligned_evidence, evidence_class
+from specserve.spec_decode.evidence import LOOKUP, aligned_evidence, evidence_class
 from specserve.spec_decode.hybrid import PRIOR_RATE, HybridProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.spec_config import SpeculativeConfig
 from specserve.spec_decode.suffix import SuffixProposer
 
-LOOKUP, SUFFIX = 0, 1
+FROM_LOOKUP, FROM_SUFFIX = 0, 1  # HybridProposer.sources / hybrid.SOURCES
 
 
 class Fixed(Proposer):
@@ -55,8 +55,8 @@ def test_chooses_the_source_lately_right_and_scores_both():
         seq.token_ids.append(5)
         out = hybrid.propose([seq], [4])
     # the lookup was never chosen, yet its rate rose: every candidate is scored
-    lookup_rate = hybrid.rates.rate(LOOKUP, evidence_class(aligned_evidence(2)))
-    suffix_rate = hybrid.rates.rate(SUFFIX, evidence_class(3))
+    lookup_rate = hybrid.rates.rate(FROM_LOOKUP, evidence_class(aligned_evidence(2)))
+    suffix_rate = hybrid.rates.rate(FROM_SUFFIX, evidence_class(3))
     assert lookup_rate > 0.75 > PRIOR_RATE > 0.25 > suffix_rate
     assert out.token_ids == [[5, 6]] and out.match_lengths == [aligned_evidence(2)]
 
@@ -83,7 +83,9 @@ def test_a_lone_candidate_is_proposed_and_none_means_none():
     hybrid, suffix, lookup = _hybrid()
     seq = _seq()
     lookup.tokens, lookup.evidence = [4, 4], 2
-    assert hybrid.propose([seq], [3]).token_ids == [[4, 4]]
+    out = hybrid.propose([seq], [3])
+    # a most-recent-occurrence lookup match keeps classes apart from suffix's match lengths
+    assert out.token_ids == [[4, 4]] and out.match_lengths == [2 | LOOKUP]
     lookup.tokens = []
     out = hybrid.propose([seq], [3])
     assert out.token_ids == [[]] and out.match_lengths == [0]
@@ -97,10 +99,10 @@ def test_unadvanced_sequence_keeps_its_pending_candidates_and_free_drops_them():
     suffix.tokens, suffix.evidence = [7], 1
     hybrid.propose([seq], [2])
     hybrid.propose([seq], [2])  # not advanced (e.g. preempted): nothing scored yet
-    assert hybrid.rates.made[SUFFIX][evidence_class(1)] == 0.0
+    assert hybrid.rates.made[FROM_SUFFIX][evidence_class(1)] == 0.0
     seq.token_ids.append(7)
     hybrid.propose([seq], [2])
-    assert hybrid.rates.made[SUFFIX][evidence_class(1)] == 1.0
+    assert hybrid.rates.made[FROM_SUFFIX][evidence_class(1)] == 1.0
     seq.status = SequenceStatus.FINISHED_STOPPED
     hybrid.free(seq)
     assert not hybrid._pending and suffix.freed == [0] and lookup.freed == [0]
@@ -190,7 +192,7 @@ def test_greedy_equals_plain_and_accepts(tiny_llama, test_prompts, adaptive):
     proposer = llm.llm_engine.speculation.proposer
     assert not proposer._pending  # finished requests leave nothing behind
     made = [sum(row) for row in proposer.rates.made]
-    assert made[LOOKUP] > 0 and made[SUFFIX] > 0  # both sources were scored
+    assert made[FROM_LOOKUP] > 0 and made[FROM_SUFFIX] > 0  # both sources were scored
 
 
 def test_sampled_requests_are_reproducible(tiny_llama, test_prompts):

@@ -7,10 +7,11 @@ aligned prompt lookup (ngram.AlignedNgramIndex) follows the place in the prompt 
 edited copy is copying from. On SmolLM2's greedy answers to the 32 grounded benchmark prompts
 (benchmarks/bench_draft_free_cpu.py), of 3377 positions only suffix's first token was accepted
 at 203, only the lookup's at 151, and where both were, their runs differed in length: with
-hindsight, the better of the two at every position would make 2.43x plain decoding against
-2.22x for either alone (this CPU's pass cost by rows). Without hindsight, choosing by the
-first-token acceptance of the candidate's (source, evidence class) and fitting k per class
-reached 2.02x, against 1.92x for either source alone fitted the same way.
+hindsight, the better of the two at every position would make 2.54x plain decoding against
+2.24-2.32x for either alone (this CPU's pass cost by rows); the engine's adaptive policy
+replayed over what this proposer chooses makes 2.00x, over either source alone 1.92-1.93x
+(benchmarks/grounded_ceiling.py). In the engine the gain was within the CPU's run-to-run spread
+(BENCHMARKS.md, CPU, session 38), so it is opt-in.
 
 The choice: per (source, evidence class) decayed counts of candidates made and of those whose
 first token the text then took. Every candidate is scored, chosen or not: at a sequence's next
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.engine.sequence import Sequence
-from specserve.spec_decode.evidence import NUM_CLASSES, evidence_class
+from specserve.spec_decode.evidence import ALIGNED, LOOKUP, NUM_CLASSES, evidence_class
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 from specserve.spec_decode.suffix import SuffixProposer
@@ -73,6 +74,7 @@ class HybridProposer(Proposer):
 
     def __init__(self, suffix: SuffixProposer, lookup: NgramProposer) -> None:
         self.sources = (lookup, suffix)  # in SOURCES order
+        self.suffix = suffix  # (its cache of earlier outputs: benchmarks reset it)
         self.rates = FirstTokenRates()
         self._pending: dict[int, _Pending] = {}  # seq_id -> its last candidates
 
@@ -90,6 +92,8 @@ class HybridProposer(Proposer):
                 if not tokens:
                     continue
                 matched = proposals.match_lengths[i]
+                if s == 0 and not matched & ALIGNED:
+                    matched |= LOOKUP  # not the suffix trees' plain match lengths (evidence.py)
                 cls = evidence_class(matched)
                 candidates.append((s, cls, tokens[0]))
                 key = (self.rates.rate(s, cls), len(tokens))
