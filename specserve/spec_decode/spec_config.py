@@ -73,25 +73,18 @@ class SpeculativeConfig:
             _fail(f"num_speculative_tokens={k!r} must be an int >= 1.")
         if self.method not in METHODS:
             _fail(f"speculative method {self.method!r} is not one of {list(METHODS)}.")
-        if self.method == "ngram":
-            hi, lo = self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min
-            if not isinstance(hi, int) or hi < 1:
-                _fail(f"ngram_prompt_lookup_max={hi!r} must be an int >= 1 for '[ngram]'.")
-            if lo is not None and (not isinstance(lo, int) or not 1 <= lo <= hi):
-                _fail(f"ngram_prompt_lookup_min={lo!r} must be an int in [1, "
-                      f"ngram_prompt_lookup_max={hi}].")
         if not isinstance(self.ngram_prompt_lookup_aligned, bool):
             _fail(f"ngram_prompt_lookup_aligned={self.ngram_prompt_lookup_aligned!r} must be "
                   "True or False.")
         if self.ngram_prompt_lookup_aligned and self.method not in ("ngram", "suffix"):
             _fail("ngram_prompt_lookup_aligned applies to '[ngram]' and '[suffix]' only, not to "
                   f"method {self.method!r}.")
-        if self.method == "suffix" and self.ngram_prompt_lookup_aligned:
+        if self.uses_prompt_lookup:
             hi, lo = self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min
-            if not isinstance(hi, int) or isinstance(hi, bool) or hi < 1:
-                _fail(f"ngram_prompt_lookup_max={hi!r} must be an int >= 1 (the aligned lookup "
-                      "beside '[suffix]').")
-            if not isinstance(lo, int) or isinstance(lo, bool) or not 1 <= lo <= hi:
+            if not _is_int(hi) or hi < 1:
+                _fail(f"ngram_prompt_lookup_max={hi!r} must be an int >= 1 for '[ngram]' (and "
+                      "the aligned lookup beside '[suffix]').")
+            if lo is not None and (not _is_int(lo) or not 1 <= lo <= hi):
                 _fail(f"ngram_prompt_lookup_min={lo!r} must be an int in [1, "
                       f"ngram_prompt_lookup_max={hi}].")
         if self.method == "draft_model" and not self.model:
@@ -118,6 +111,12 @@ class SpeculativeConfig:
                 _fail(f"speculative_model_quantization={self.quantization!r} applies to a draft "
                       f"model; method {self.method!r} has none.")
             get_quantization_method(self.quantization)
+
+    @property
+    def uses_prompt_lookup(self) -> bool:
+        """'[ngram]', or '[suffix]' with the aligned lookup beside it (hybrid.py)."""
+        return self.method == "ngram" or (self.method == "suffix"
+                                          and self.ngram_prompt_lookup_aligned is True)
 
     def _check_suffix_options(self) -> None:
         depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
@@ -204,12 +203,12 @@ class SpeculativeConfig:
         if not isinstance(speculative_adaptive, bool):
             _fail(f"speculative_adaptive={speculative_adaptive!r} must be True or False.")
         values["adaptive"] = speculative_adaptive
-        if method == "suffix" and values["ngram_prompt_lookup_aligned"] is True:
-            # the aligned lookup beside the suffix trees (hybrid.py): "[ngram]"'s usual n <= 4
-            if values["ngram_prompt_lookup_max"] is None:
+        if method == "ngram" or (method == "suffix"
+                                 and values["ngram_prompt_lookup_aligned"] is True):
+            if method == "suffix" and values["ngram_prompt_lookup_max"] is None:
+                # the aligned lookup beside the suffix trees (hybrid.py): "[ngram]"'s usual n <= 4
                 values["ngram_prompt_lookup_max"] = SUFFIX_LOOKUP_MAX
-        if method in ("ngram", "suffix") and values["ngram_prompt_lookup_min"] is None:
-            if method == "ngram" or values["ngram_prompt_lookup_aligned"] is True:
+            if values["ngram_prompt_lookup_min"] is None:
                 values["ngram_prompt_lookup_min"] = 1
         known = {f.name for f in fields(cls)}
         return cls(method=method, **{k: v for k, v in values.items() if k in known})
