@@ -39,6 +39,7 @@ DECAY = 0.98  # per scored candidate of a (source, class): its counts weigh the 
 PRIOR_RATE = 0.5  # a (source, class) with no data: even odds
 PRIOR_WEIGHT = 2.0  # pseudo-candidates of that prior in every rate
 SOURCES = ("lookup", "suffix")
+LOOKUP_SOURCE = SOURCES.index("lookup")
 
 
 @dataclass
@@ -92,7 +93,7 @@ class HybridProposer(Proposer):
                 if not tokens:
                     continue
                 matched = proposals.match_lengths[i]
-                if s == 0 and not matched & ALIGNED:
+                if s == LOOKUP_SOURCE and not matched & ALIGNED:
                     matched |= LOOKUP  # not the suffix trees' plain match lengths (evidence.py)
                 cls = evidence_class(matched)
                 candidates.append((s, cls, tokens[0]))
