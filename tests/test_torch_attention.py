@@ -96,6 +96,20 @@ def test_mirror_uses_less_than_its_budget(pair):
     assert pair.mirrored.backend.mirror._seq_lens == [6, 6]
 
 
+def test_mirror_serves_a_batch_that_needs_most_of_the_cache(pair):
+    """A batch whose mirror needs 62 % of the paged cache's tokens (8 rows of 27 blocks plus
+    the headroom, of 400 blocks) is still served from the mirror: at half the cache, 32 SmolLM2
+    sequences lost it past ~290 tokens and gathered every block of every layer each step
+    (torch_context_mirror.MAX_MIRROR_FRACTION)."""
+    mirror = pair.mirrored.backend.mirror
+    seqs = _seqs(pair.vocab, [120] * 8)  # 105 tokens: 27 blocks of 4, 8 x (27 + 4) x 4 = 992
+    for _ in range(8):  # runs of up to 16 tokens: the mirror follows them
+        pair.step(seqs, [s.run(13) for s in seqs])
+    pair.step(seqs, [s.run(1) for s in seqs])
+    assert 0.5 * mirror.cache_tokens < 8 * mirror._capacity <= mirror.cache_tokens
+    assert mirror._seq_lens == [105] * 8
+
+
 def test_cpu_rope_kernel_writes_cache_and_mirror(pair, monkeypatch):
     """float32 CPU steps rotate and write K/V through the C++ kernel (csrc/rope_kv.cpp), on
     extend steps into the mirror too: the other tests here then check that path against

@@ -36,7 +36,13 @@ from specserve.model.layers.attention.metadata import AttentionMetadata
 # HEADROOM_BLOCKS * block_size steps instead of every step.
 HEADROOM_BLOCKS = 4
 # The mirror (all layers) may hold at most this fraction of the paged cache's token capacity.
-MAX_MIRROR_FRACTION = 0.5
+# Why as much as the cache itself: the mirror needs batch x (longest context + headroom) rows,
+# and at 0.5 of the CPU's default 1 GB cache (23,296 SmolLM2 tokens) a batch of 32 lost it once
+# its longest context passed ~290 tokens, so 32 code-edit prompts of 94-334 tokens gathered
+# every block in every layer of every decode step (index_select: ~64 ms of a ~150 ms step).
+# At 1.0 their 127 decode steps took 12.4-13.8 s instead of 17.5 s (session 39). The reserve
+# is virtual until a rebuild touches it, so a process pays only for the rows it uses.
+MAX_MIRROR_FRACTION = 1.0
 # Steps whose query runs are all at most this long use the mirror (decode, verification);
 # longer runs are prompt chunks, which the mirror does not follow.
 MAX_MIRROR_QUERY = 16
