@@ -10,8 +10,9 @@ at 203, only the lookup's at 151, and where both were, their runs differed in le
 hindsight, the better of the two at every position would make 2.54x plain decoding against
 2.24-2.32x for either alone (this CPU's pass cost by rows); the engine's adaptive policy
 replayed over what this proposer chooses makes 2.00x, over either source alone 1.92-1.93x
-(benchmarks/grounded_ceiling.py). In the engine the gain was within the CPU's run-to-run spread
-(BENCHMARKS.md, CPU, session 38), so it is opt-in.
+(benchmarks/grounded_ceiling.py). In the engine, the fastest of 3 runs per prompt, it read
+1.94-2.05x against 1.93-1.94x for "[suffix]" alone in three runs (BENCHMARKS.md, CPU, session
+39): never behind, but ahead by only 0.5-6 %, so it is opt-in.
 
 The choice: per (source, evidence class) decayed counts of candidates made and of those whose
 first token the text then took. Every candidate is scored, chosen or not: at a sequence's next
