@@ -392,12 +392,9 @@ def main() -> None:
         engines["transformers"] = Transformers(gguf, eos, None)
         engines["transformers prompt lookup"] = Transformers(gguf, eos, HF_PROMPT_LOOKUP_TOKENS)
     ours = {name: e for name, e in engines.items() if isinstance(e, Ours)}
-    sets = {
-        "input-grounded (HumanEval code edits)": [plain.chat_ids(t) for t in edit_texts],
-        "chat": [plain.chat_ids(t) for t in CHAT_PROMPTS + USER_PROMPTS],
-    }
-    keys = dict(zip(sets, ("grounded", "chat"), strict=True))
-    sets = {title: prompts for title, prompts in sets.items() if keys[title] in chosen_sets}
+    texts = {"grounded": edit_texts, "chat": CHAT_PROMPTS + USER_PROMPTS}
+    titles = {"grounded": "input-grounded (HumanEval code edits)", "chat": "chat"}
+    sets = {key: [plain.chat_ids(t) for t in texts[key]] for key in titles if key in chosen_sets}
     warm = plain.chat_ids("Say hello.")
     for engine in engines.values():  # allocator, thread pools, oneDNN kernels
         engine.generate([warm], 8)
@@ -413,7 +410,8 @@ def main() -> None:
           "objects")
     pressure = cpu_pressure()
     summary = {}
-    for title, prompts in sets.items():
+    for key, prompts in sets.items():
+        title = titles[key]
         if not args.batched_only:
             lens = [len(p) for p in prompts[:n1]]
             before = snapshot(engines)
@@ -424,7 +422,7 @@ def main() -> None:
             fastest = f", the fastest of {args.repeats} per prompt" if args.repeats > 1 else ""
             report(f"{title}, batch 1, decode tok/s (prompts {min(lens)}..{max(lens)} tokens"
                    f"{fastest})", rates, outputs, stats)
-            summary[(title, 1)] = rates
+            summary[(key, 1)] = rates
             if early and n1 > EARLY_PROMPTS:
                 print(f"\nthe first {EARLY_PROMPTS} prompts alone (the batch-1 set of sessions 21-34), "
                       "vs specserve plain: " + ", ".join(
@@ -440,30 +438,28 @@ def main() -> None:
         report(f"{title}, batch {batch}, end-to-end throughput tok/s, best of {rounds} "
                "interleaved rounds (transformers' prompt lookup: batch 1 only)",
                rates_b, outputs_b, stats)
-        summary[(title, batch)] = rates_b
+        summary[(key, batch)] = rates_b
     print("\n### goals\n")
     goals = {("grounded", 1): "goal >= 2x", ("chat", 1): ">= 0.95x",
              ("grounded", batch): ">= 1.0x", ("chat", batch): ">= 1.0x"}
-    measured = {(keys[title], b): rates for (title, b), rates in summary.items()}
 
     def ratio(name: str, key: tuple[str, int]) -> str:
-        rates = measured.get(key)
-        return "-" if rates is None else f"{rates[name] / rates['specserve']:.2f}x"
+        return f"{summary[key][name] / summary[key]['specserve']:.2f}x"
 
     for name in ours:
         if name in ("specserve", CONTROL):
             continue
         line = f"- {name}: " + ", ".join(f"{s} b{b} {ratio(name, (s, b))} ({goal})"
-                                         for (s, b), goal in goals.items() if (s, b) in measured)
-        pld = measured.get(("grounded", 1), {}).get("transformers prompt lookup")
+                                         for (s, b), goal in goals.items() if (s, b) in summary)
+        pld = summary.get(("grounded", 1), {}).get("transformers prompt lookup")
         if pld:
             line += (f", grounded b1 vs transformers prompt lookup "
-                     f"{measured[('grounded', 1)][name] / pld:.2f}x (>= 3x)")
+                     f"{summary[('grounded', 1)][name] / pld:.2f}x (>= 3x)")
         print(line)
     if CONTROL in ours:
         print(f"- {CONTROL} (identical to specserve plain): " + ", ".join(
-            f"{s} b{b} {measured[(s, b)][CONTROL] / measured[(s, b)]['specserve']:.3f}x"
-            for (s, b) in goals if (s, b) in measured) + " (the noise every ratio above carries)")
+            f"{s} b{b} {summary[(s, b)][CONTROL] / summary[(s, b)]['specserve']:.3f}x"
+            for (s, b) in goals if (s, b) in summary) + " (the noise every ratio above carries)")
     if pressure is not None:
         print(f"\nCPU pressure (PSI some avg10) at start {pressure:.1f}%, at end "
               f"{cpu_pressure():.1f}%: other load on the machine skews the numbers")
