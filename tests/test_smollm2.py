@@ -181,8 +181,8 @@ def test_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
     screened_rows = []
     argmax = greedy_screen.GreedyScreen.argmax
 
-    def checked(self, x, packed):
-        tokens = argmax(self, x, packed)
+    def checked(self, x, packed, screen_blocks=None):
+        tokens = argmax(self, x, packed, screen_blocks)
         assert torch.equal(tokens, fused_argmax.logits_argmax(head(x)))
         screened_rows.append(x.shape[0])
         return tokens
@@ -193,3 +193,38 @@ def test_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
     smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                       use_tqdm=False)
     assert len(screened_rows) >= 20 and min(screened_rows) >= greedy_screen.MIN_ROWS
+
+
+def _vnni_screen_in_use() -> bool:
+    from specserve.model.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    return kernels is not None and bool(kernels.a8_vnni()) and not _amx_in_use()
+
+
+@pytest.mark.skipif(not _vnni_screen_in_use(), reason="the VNNI greedy screen serves a head on a "
+                    "CPU with AVX-512 VNNI and no AMX tiles; this one (or its build) is not one")
+def test_vnni_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
+    """Greedy steps of 2+ rows take the head's 8-bit screen (quantization/greedy_screen_vnni.py):
+    on every such step of a batch of chat prompts its tokens must be the exact head's argmax."""
+    from specserve.model.layers import fused_argmax
+    from specserve.model.layers.quantization import greedy_screen_vnni
+
+    head = smol_llm.llm_engine.runner.model.lm_head
+    assert isinstance(head.greedy_screen, greedy_screen_vnni.VnniGreedyScreen)
+    screened_rows = []
+    argmax = greedy_screen_vnni.VnniGreedyScreen.argmax
+
+    def checked(self, x, blocks, screen_blocks=None):
+        tokens = argmax(self, x, blocks, screen_blocks)
+        assert torch.equal(tokens, fused_argmax.logits_argmax(head(x)))
+        screened_rows.append(x.shape[0])
+        return tokens
+
+    monkeypatch.setattr(greedy_screen_vnni.VnniGreedyScreen, "argmax", checked)
+    prompts = [smol_llm.apply_chat_template([{"role": "user", "content": p}])
+               for p in CHAT_PROMPTS]
+    smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                      use_tqdm=False)
+    assert len(screened_rows) >= 20
+    assert min(screened_rows) >= greedy_screen_vnni.VnniGreedyScreen.min_rows

@@ -73,6 +73,13 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
 // by quantization/gguf_a8.py [N / 16, K / 32, record]^T -> [M, N] (integer dot products)
 torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 torch::Tensor q8_0_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+// whether those products run on AVX-512 VNNI in this build (else a portable, slow path)
+bool a8_vnni();
+// the VNNI greedy screen's candidate columns (whole groups of 16, ascending), their rows of the
+// exact head's blocks, and whether its bound held (quantization/greedy_screen_vnni.py)
+std::tuple<torch::Tensor, torch::Tensor, bool> a8_screen_candidates(
+    const torch::Tensor& scores, const torch::Tensor& x, const torch::Tensor& col_norms,
+    double max_norm, const torch::Tensor& w, double sum_slack, double room, double slack_abs);
 
 // gguf_amx_linear.cpp: x [M, K] float32 @ GGUF blocks packed by quantization/gguf_amx.py
 // [N / 16, K / 32, record]^T -> [M, N] on AMX tiles (float32 results), x taken as `parts`

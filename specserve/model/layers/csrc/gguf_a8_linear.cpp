@@ -32,9 +32,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -281,6 +283,168 @@ torch::Tensor a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 }
 
 }  // namespace
+
+bool a8_vnni() {
+#if defined(SPECSERVE_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The VNNI greedy screen's candidates (quantization/greedy_screen_vnni.py has the bound and why it
+// holds). Per row r of x [R, K]: e = (||x - x'|| * (1 + sum_slack) + sum_slack * ||x||) * room in
+// float64, x' the very 8-bit rounding q8_0_a8_linear multiplies (quantize_rows, above), then
+// rounded up to float; column c's interval is scores[r, c] -/+ (col_norms[c] * e + slack_abs),
+// max_norm >= every col_norms[c].
+// Every group of 16 columns holding a c whose upper end reaches the largest lower end of the row
+// is a candidate. The float32 fmas that form the ends round by at most half an ulp each, so the
+// largest lower end is lowered by 2**-22 of its magnitude (and rounded down) first: a column is
+// dropped only if its exact upper end lies below some column's exact lower end. Returns the
+// candidate groups' columns (ascending), their rows of w [N, bytes] (the exact head's blocks,
+// for the recheck), and ok: false (both empty) when a row's x, scores or e is not finite, where
+// the bound says nothing. Rows are split over threads; the gather is here because torch's
+// index_select and the column arithmetic around it took ~0.2 ms for a few hundred rows.
+std::tuple<torch::Tensor, torch::Tensor, bool> a8_screen_candidates(
+    const torch::Tensor& scores, const torch::Tensor& x, const torch::Tensor& col_norms,
+    double max_norm, const torch::Tensor& w, double sum_slack, double room, double slack_abs) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == torch::kFloat32 &&
+                  scores.dim() == 2 && scores.stride(1) == 1,
+              "a8_screen_candidates: scores must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.size(0) == scores.size(0) && x.size(1) % kBlock == 0,
+              "a8_screen_candidates: x must be float32 [rows, K], K a multiple of 32");
+  TORCH_CHECK(col_norms.scalar_type() == torch::kFloat32 && col_norms.dim() == 1 &&
+                  col_norms.is_contiguous() && col_norms.size(0) == scores.size(1),
+              "a8_screen_candidates: col_norms must be float32 [columns], contiguous");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(0) == scores.size(1),
+              "a8_screen_candidates: w must be uint8 [columns, bytes], contiguous");
+  const int64_t rows = scores.size(0), n = scores.size(1), ld = scores.stride(0);
+  TORCH_CHECK(n % kLanes == 0, "a8_screen_candidates: columns must be whole groups of 16");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t k = xc.size(1), blocks = k / kBlock;
+  const float* xp = xc.data_ptr<float>();
+  const float* data = scores.data_ptr<float>();
+  const float* norms = col_norms.data_ptr<float>();
+  const int64_t groups = n / kLanes;
+  std::vector<uint8_t> live(static_cast<size_t>(rows * groups), 0);  // [rows, groups]
+  std::vector<uint8_t> row_ok(static_cast<size_t>(rows), 1);
+  std::vector<std::vector<int64_t>> near_groups(static_cast<size_t>(rows));
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> xq(static_cast<size_t>(k));
+    std::vector<float> dx(static_cast<size_t>(blocks)), sxq(static_cast<size_t>(blocks));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * k;
+      double squares = 0.0, rounding = 0.0;
+      bool finite = true;
+      for (int64_t i = 0; i < k; ++i) {
+        finite = finite && std::isfinite(v[i]);
+        squares += static_cast<double>(v[i]) * v[i];
+      }
+      if (!finite) {
+        row_ok[r] = 0;
+        continue;
+      }
+      quantize_rows(v, 1, k, xq.data(), nullptr, dx.data(), sxq.data());
+      for (int64_t i = 0; i < k; ++i) {  // x'_i = dx * xq_i, exactly as the kernel multiplies it
+        const double d = static_cast<double>(v[i]) -
+                         static_cast<double>(dx[i / kBlock]) * static_cast<double>(xq[i]);
+        rounding += d * d;
+      }
+      const double e64 =
+          (std::sqrt(rounding) * (1.0 + sum_slack) + sum_slack * std::sqrt(squares)) * room;
+      float e = static_cast<float>(e64);
+      if (static_cast<double>(e) < e64) e = std::nextafter(e, INFINITY);
+      const float* row = data + r * ld;
+      bool bad = !std::isfinite(e);
+      // Pass 1: the row's largest score (and any NaN).
+#if defined(__AVX512F__)
+      __m512 lanes = _mm512_set1_ps(-INFINITY);
+      __mmask16 nans = 0;
+      for (int64_t c = 0; c < n; c += kLanes) {
+        const __m512 s = _mm512_loadu_ps(row + c);
+        nans |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+        lanes = _mm512_max_ps(lanes, s);
+      }
+      const float top = _mm512_reduce_max_ps(lanes);
+      bad = bad || nans != 0;
+#else
+      float top = -INFINITY;
+      for (int64_t c = 0; c < n; ++c) {
+        bad = bad || std::isnan(row[c]);
+        top = std::max(top, row[c]);
+      }
+#endif
+      if (bad || !std::isfinite(top)) {
+        row_ok[r] = 0;
+        continue;
+      }
+      // Pass 2: the groups with a score >= top - 2 max_norm e (less a margin for the roundings
+      // below). The largest lower end is at least top's own, top - norm e >= top - max_norm e,
+      // so it belongs to such a group, and so does every column whose upper end reaches it:
+      // the steps after this look at these groups only and give what a scan of every column
+      // would, reading the norms of a few groups instead of all (the scores' two passes stay
+      // in cache; all norms as well took 2.5x as long).
+      const double reach = 2.0 * max_norm * e + 2.0 * slack_abs;
+      float pre = static_cast<float>(static_cast<double>(top) - reach -
+                                     std::ldexp(std::fabs(static_cast<double>(top)) + reach, -20));
+      pre = std::nextafter(pre, -INFINITY);
+      std::vector<int64_t>& near = near_groups[r];
+#if defined(__AVX512F__)
+      const __m512 pv = _mm512_set1_ps(pre);
+      for (int64_t g = 0; g < groups; ++g)
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(row + g * kLanes), pv, _CMP_GE_OQ)) near.push_back(g);
+#else
+      for (int64_t g = 0; g < groups; ++g) {
+        bool any = false;
+        for (int c = 0; c < kLanes; ++c) any = any || row[g * kLanes + c] >= pre;
+        if (any) near.push_back(g);
+      }
+#endif
+      // The largest lower end, fl(score - norm e), over those groups, then the floor: lowered
+      // by 2**-22 of its magnitude for the fmas' roundings, and rounded down.
+      float lower = -INFINITY;
+      for (int64_t g : near)
+        for (int c = 0; c < kLanes; ++c) {
+          const int64_t col = g * kLanes + c;
+          lower = std::max(lower, std::fma(-norms[col], e, row[col]));
+        }
+      float floor = static_cast<float>(static_cast<double>(lower) -
+                                       std::ldexp(std::fabs(static_cast<double>(lower)), -22) -
+                                       2.0 * slack_abs);
+      floor = std::nextafter(floor, -INFINITY);  // rounded down: never above the exact bound
+      uint8_t* mark = live.data() + r * groups;
+      for (int64_t g : near)
+        for (int c = 0; c < kLanes; ++c) {
+          const int64_t col = g * kLanes + c;
+          mark[g] |= std::fma(norms[col], e, row[col]) >= floor;
+        }
+    }
+  });
+  const auto bytes = w.size(1);
+  for (int64_t r = 0; r < rows; ++r)
+    if (!row_ok[r])
+      return {torch::empty({0}, torch::dtype(torch::kInt64)),
+              torch::empty({0, bytes}, w.options()), false};
+  std::vector<int64_t> picked;
+  for (int64_t g = 0; g < groups; ++g) {
+    bool any = false;
+    for (int64_t r = 0; r < rows && !any; ++r) any = live[r * groups + g] != 0;
+    if (any) picked.push_back(g);
+  }
+  const int64_t count = static_cast<int64_t>(picked.size()) * kLanes;
+  torch::Tensor columns = torch::empty({count}, torch::dtype(torch::kInt64));
+  torch::Tensor taken = torch::empty({count, bytes}, w.options());
+  int64_t* cp = columns.data_ptr<int64_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* tp = taken.data_ptr<uint8_t>();
+  for (size_t j = 0; j < picked.size(); ++j) {  // a group's 16 rows of w are contiguous
+    for (int c = 0; c < kLanes; ++c) cp[j * kLanes + c] = picked[j] * kLanes + c;
+    std::memcpy(tp + j * kLanes * bytes, wp + picked[j] * kLanes * bytes, kLanes * bytes);
+  }
+  return {columns, taken, true};
+}
 
 torch::Tensor q4_1_a8_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
   return a8_linear<Q41>(x, w, n);

@@ -49,9 +49,10 @@ import torch
 from torch import nn
 
 from specserve.model.layers import cpu_kernels, fused_argmax
-from specserve.model.layers.quantization import gguf_amx, greedy_screen
+from specserve.model.layers.quantization import gguf_amx, greedy_screen_vnni
 from specserve.model.layers.quantization.base import LM_HEAD_ROLE, QuantizationMethod
-from specserve.model.layers.quantization.greedy_screen import GreedyScreen
+from specserve.model.layers.quantization.greedy_screen import GreedyScreen, HeadScreen
+from specserve.model.layers.quantization.greedy_screen_vnni import VnniGreedyScreen
 
 BlockKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [M, K], blocks -> [M, N]
 
@@ -69,7 +70,11 @@ class GGUFBlockLinear(nn.Module):
         self.bias = linear.bias
         self.register_buffer("blocks", blocks)  # [N, K / 32 * block bytes] uint8, GGUF's bytes
         self._kernel = kernel
-        self.greedy_screen: GreedyScreen | None = None  # an AMX head's (greedy_screen.py)
+        # a head's greedy screen (greedy_screen.py on AMX, greedy_screen_vnni.py on VNNI), and
+        # the copy of its weights that screen reads, if it reads its own (a buffer, so that the
+        # loader moves it with the rest: model/huge_pages.py)
+        self.greedy_screen: HeadScreen | None = None
+        self.register_buffer("screen_blocks", None)
         self.format_name = format_name
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -82,9 +87,9 @@ class GGUFBlockLinear(nn.Module):
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] -> [R] int64, the argmax of each row of forward(x): through the greedy
         screen where this head has one and there are enough rows, else the logits."""
-        if (self.greedy_screen is not None and x.dim() == 2
-                and x.shape[0] >= greedy_screen.MIN_ROWS):
-            return self.greedy_screen.argmax(x, self.blocks)
+        screen = self.greedy_screen
+        if screen is not None and x.dim() == 2 and x.shape[0] >= screen.min_rows:
+            return screen.argmax(x, self.blocks, self.screen_blocks)
         return fused_argmax.logits_argmax(self(x))
 
     def extra_repr(self) -> str:
@@ -150,4 +155,12 @@ class GGUFBlocks(QuantizationMethod):
                                                    self._kernels.screen_groups)
             return layer
         kernel = getattr(self._kernels, f"{format_name.lower()}_linear")
-        return GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
+        layer = GGUFBlockLinear(linear, blocks, kernel, format_name, keep_weight=tied)
+        if (role == LM_HEAD_ROLE and format_name == "Q8_0" and linear.bias is None
+                and self._kernels.a8_vnni() and layer.out_features % gguf_amx.LANES == 0
+                and layer.in_features <= greedy_screen_vnni.MAX_IN_FEATURES):
+            # greedy steps of several rows: screened with 8-bit x, rechecked exactly
+            # (Q8_0: the weights are d * q, the vector greedy_screen_vnni.py's bound needs)
+            layer.greedy_screen = VnniGreedyScreen(self._kernels, linear.weight)
+            layer.screen_blocks = VnniGreedyScreen.pack(blocks)
+        return layer

@@ -30,6 +30,9 @@ exact head and the C++ argmax as before.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
 import torch
 
 from specserve.model.layers import fused_argmax
@@ -48,8 +51,24 @@ SLACK_ABS = 1e-25
 MIN_ROWS = 6
 
 
-class GreedyScreen:
+class HeadScreen(ABC):
+    """A GGUF head's cheaper way to the exact argmax of several rows (GGUFBlockLinear.
+    greedy_tokens): screen every column, recheck exactly the few that could win."""
+
+    min_rows: ClassVar[int]  # steps of fewer rows take the exact head's logits
+
+    @abstractmethod
+    def argmax(self, x: torch.Tensor, blocks: torch.Tensor,
+               screen_blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, K] float32 -> [R] int64, the exact head's argmax of every row. blocks: the
+        head's own weights as its layer keeps them; screen_blocks: a second copy of them laid
+        out for the screen's kernel, where it needs one."""
+
+
+class GreedyScreen(HeadScreen):
     """argmax rows of x @ W^T for a GGUF head on AMX tiles: screened in 1 part, rechecked in 3."""
+
+    min_rows: ClassVar[int] = MIN_ROWS
 
     def __init__(self, amx_fn, out_features: int, weight: torch.Tensor,
                  screen_groups) -> None:
@@ -73,8 +92,10 @@ class GreedyScreen:
                                          ROUNDING_ROOM, SLACK_ABS)  # [G'] sorted
         return groups if ok else None
 
-    def argmax(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x [R, K] float32 -> [R] int64: the exact head's argmax of every row."""
+    def argmax(self, x: torch.Tensor, packed: torch.Tensor,
+               screen_blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, K] float32 -> [R] int64: the exact head's argmax of every row (the screen
+        reads the head's own AMX records: no screen_blocks)."""
         groups = self.candidates(x, packed)
         if groups is None:
             return fused_argmax.logits_argmax(self._fn(x, packed, self._n, 3))

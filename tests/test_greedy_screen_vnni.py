@@ -1,0 +1,104 @@
+"""The VNNI greedy screen of a Q8_0 GGUF head (quantization/greedy_screen_vnni.py) must give the
+exact head's argmax of every row, ties to the lowest index included, on heads whose columns nearly
+tie (where x rounded to 8 bits alone reorders them); with its bound switched off the same cases
+must fail, so the test can see a wrong screen. Where the kernels did not build with AVX-512 VNNI
+(their portable path is exact but slow, and the engine leaves the screen off there), the
+screen is still exercised, since its bound does not depend on the instruction set."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from helpers import gguf_blocks
+
+from specserve.model.layers import cpu_kernels, fused_argmax
+from specserve.model.layers.quantization import greedy_screen_vnni
+from specserve.model.layers.quantization.greedy_screen_vnni import VnniGreedyScreen, column_norms
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="specserve's CPU kernels did not build")
+
+N, K = 256, 96  # 16 groups of 16 columns, 3 blocks of 32 inputs
+
+
+def near_tie_head(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks [N, K / 32 * 34] whose rows are one row of codes with a few codes moved by
+    one (exact logits d * (x_a + x_b - x_c - x_e) apart), row 5 with x_0's code raised by 20
+    and row 40 a copy of it; and the dense weights."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(-100, 101, size=K)
+    codes = np.tile(base, (N, 1))
+    for n in range(N):  # two codes up by one, two down: sum(codes) stays, logits barely move
+        at = rng.choice(np.arange(1, K), size=4, replace=False)
+        codes[n, at] += np.array([1, 1, -1, -1])
+    codes[5, 0] = base[0] + 20  # a clear winner for x with a large x_0 ...
+    codes[40] = codes[5]  # ... tied exactly with a later column
+    d = np.float16(0.0123)
+    raw = np.zeros((N, K // 32, 34), dtype=np.uint8)
+    raw[:, :, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    raw[:, :, 2:] = codes.reshape(N, K // 32, 32).astype(np.int8).view(np.uint8)
+    dense = torch.from_numpy((codes * np.float32(d)).astype(np.float32))
+    return torch.from_numpy(raw.reshape(N, -1)), dense
+
+
+def exact_argmax(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    return fused_argmax.logits_argmax(kernels.q8_0_linear(x, raw))
+
+
+def mismatches(seed: int) -> int:
+    raw, dense = near_tie_head(seed)
+    screen = VnniGreedyScreen(kernels, dense)
+    packed = VnniGreedyScreen.pack(raw)
+    gen = torch.Generator().manual_seed(seed)
+    wrong = 0
+    for rows in (2, 3, 4, 9):
+        # x_i near 1: exact logits differ by ~2**-7 * d, while 8 bits per block (dx ~ 8 / 127
+        # in the first block of row 0, 1 / 127 elsewhere) make most x_i equal, so the screen
+        # alone reorders columns
+        x = 1 + (torch.rand(rows, K, generator=gen) - 0.5) * 2**-6
+        x[0, 0] = 8.0  # columns 5 and 40 tie exactly at the top of row 0
+        x[1:, 0] = 0.0  # and take no part in the other rows' near ties
+        got = screen.argmax(x, raw, packed)
+        wrong += int((got != exact_argmax(x, raw)).sum())
+        assert int(exact_argmax(x, raw)[0]) == 5 and int(got[0]) == 5
+    return wrong
+
+
+def test_screen_gives_the_exact_heads_argmax_on_near_ties():
+    assert sum(mismatches(seed) for seed in range(40)) == 0
+
+
+def test_screen_without_its_bound_would_fail(monkeypatch):
+    monkeypatch.setattr(greedy_screen_vnni, "ROUNDING_ROOM", 0.0)  # slack 0: the screen alone
+    monkeypatch.setattr(greedy_screen_vnni, "SLACK_ABS", 0.0)
+    assert sum(mismatches(seed) for seed in range(40)) > 0
+
+
+def test_screen_rechecks_few_columns_and_falls_back_on_non_finite_rows():
+    raw, dense = gguf_blocks(QT.Q8_0, 256, K, seed=3)  # random weights: clear winners
+    screen = VnniGreedyScreen(kernels, dense)
+    packed = VnniGreedyScreen.pack(raw)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(0))
+    full = exact_argmax(x, raw)
+    columns, rows = screen.candidates(x, raw, packed)
+    assert columns.numel() <= 8 * 16 and columns.numel() % 16 == 0  # of 256: ~one group a row
+    assert set(full.tolist()) <= set(columns.tolist())
+    assert torch.equal(rows, raw.index_select(0, columns))  # the recheck's weight rows
+    assert torch.equal(screen.argmax(x, raw, packed), full)
+    x[1, 3] = float("inf")
+    assert screen.candidates(x, raw, packed) is None  # no bound: the exact head decides
+    assert torch.equal(screen.argmax(x, raw, packed), exact_argmax(x, raw))
+
+
+def test_column_norms_never_fall_below_the_exact_norms():
+    weight = torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
+    norms = column_norms(weight)
+    assert norms.dtype == torch.float32 and norms.shape == (300,)
+    assert bool((norms.double() >= torch.linalg.vector_norm(weight.double(), dim=1)).all())
+
+
+def test_screen_refuses_heads_it_cannot_bound():
+    with pytest.raises(ValueError, match="groups of 16"):
+        VnniGreedyScreen(kernels, torch.randn(250, K))
