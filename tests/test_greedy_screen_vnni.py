@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf import dequantize, quantize
 from helpers import gguf_blocks
 
 from specserve.model.layers import cpu_kernels, fused_argmax
@@ -102,3 +103,44 @@ def test_column_norms_never_fall_below_the_exact_norms():
 def test_screen_refuses_heads_it_cannot_bound():
     with pytest.raises(ValueError, match="groups of 16"):
         VnniGreedyScreen(kernels, torch.randn(250, K))
+
+
+def scan_groups(scores: torch.Tensor, x: torch.Tensor, norms: torch.Tensor,
+                widen: float) -> set[int]:
+    """The candidate groups of a plain scan of every column, in float64 (x' as the kernel rounds
+    it), the slack scaled by widen: what a8_screen_candidates must return for widen ~1."""
+    rows, k = x.shape
+    blocks = x.double().view(rows, k // 32, 32)
+    dx = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()  # the kernel's float d
+    codes = torch.where(dx > 0, torch.round(blocks.float() * (1 / dx.float())).double(), 0.0)
+    error = (blocks - dx * codes.clamp(-127, 127)).view(rows, k).norm(dim=1)  # [R]
+    e = (error * (1 + greedy_screen_vnni.SUM_SLACK)
+         + greedy_screen_vnni.SUM_SLACK * x.double().norm(dim=1)) * widen
+    slack = norms.double()[None] * e[:, None]  # [R, N]
+    lower = (scores.double() - slack).max(dim=1, keepdim=True).values
+    live = (scores.double() + slack) >= lower  # [R, N]
+    return set(torch.nonzero(live.view(rows, -1, 16).any(-1).any(0)).view(-1).tolist())
+
+
+def test_candidates_equal_a_scan_of_every_column_with_uneven_column_norms():
+    """The kernel looks at the columns near each row's top score only (a prefilter by the
+    largest norm) and finds the largest lower bound among them: with column norms 100x apart,
+    where the column with the top score is often not the one with the best lower bound, it
+    must keep exactly what a scan of every column keeps (up to float rounding at the edge)."""
+    _, dense = gguf_blocks(QT.Q8_0, 512, K, seed=5)
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(2))
+    scaled = dense * torch.logspace(-1, 1, 512)[order][:, None]  # norms 100x apart
+    raw = torch.from_numpy(quantize(scaled.numpy(), QT.Q8_0))
+    dense = torch.from_numpy(dequantize(raw.numpy(), QT.Q8_0).astype("float32"))
+    screen = VnniGreedyScreen(kernels, dense)
+    packed = VnniGreedyScreen.pack(raw)
+    gen = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 5, 9):
+        for _ in range(10):
+            x = torch.randn(rows, K, generator=gen) * 3
+            scores = kernels.q8_0_a8_linear(x, packed, 512)
+            columns, _ = screen.candidates(x, raw, packed)
+            got = set((columns[::16] // 16).tolist())
+            assert scan_groups(scores, x, screen.column_norms, 1 - 1e-5) <= got
+            assert got <= scan_groups(scores, x, screen.column_norms, 1 + 1e-5)
+            assert torch.equal(screen.argmax(x, raw, packed), exact_argmax(x, raw))

@@ -59,7 +59,7 @@ class CausalLM(nn.Module, ABC):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> [R] int64, the argmax of each row's logits (greedy steps). A
         model whose head can find it without every logit overrides this (llama.py: a GGUF head
-        on AMX tiles, quantization/greedy_screen.py)."""
+        on AMX tiles, quantization/greedy_screen.py, or on VNNI, greedy_screen_vnni.py)."""
         return fused_argmax.logits_argmax(self.compute_logits(hidden))
 
     @abstractmethod

@@ -12,7 +12,9 @@ hindsight, the better of the two at every position would make 2.54x plain decodi
 replayed over what this proposer chooses makes 2.00x, over either source alone 1.92-1.93x
 (benchmarks/grounded_ceiling.py). In the engine, the fastest of 3 runs per prompt, it read
 1.94-2.05x against 1.93-1.94x for "[suffix]" alone in three runs (BENCHMARKS.md, CPU, session
-39): never behind, but ahead by only 0.5-6 %, so it is opt-in.
+39), and 2.08-2.17x against 2.05-2.11x in two runs once the head's greedy screen made
+verification cheaper (session 40): ahead by 0.5-6 % in four runs, behind by 1.4 % in one, so
+it is opt-in.
 
 The choice: per (source, evidence class) decayed counts of candidates made and of those whose
 first token the text then took. Every candidate is scored, chosen or not: at a sequence's next

@@ -20,6 +20,11 @@ per row count, so a row's bits never depend on its batch. There alone, torch's f
 precision "high" / "medium" (read at load) trades the exact split for speed: 2 / 1 bfloat16 parts
 of x, 8 / 16 rows per tile job (gguf_amx.py).
 
+Greedy heads: a Q8_0 head gets a greedy screen for steps of several rows, which finds each row's
+exact argmax from cheaper logits plus an exact recheck of the few columns that could win: on AMX
+tiles (greedy_screen.py) and, without AMX, on AVX-512 VNNI with 8-bit inputs
+(greedy_screen_vnni.py). The tokens are the exact head's either way.
+
 When: a GGUF model on the CPU in float32 uses it by default, as vLLM uses its GGUF kernels for
 GGUF files (``quantization="gguf"`` asks for it explicitly; ``SPECSERVE_CPU_KERNELS=0`` turns
 the default off, see layers/cpu_kernels.py). Matrices of other GGUF types (Q4_K, Q6_K, ...)
