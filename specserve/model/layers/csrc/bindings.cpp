@@ -33,8 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("a8_vnni", &a8_vnni, "whether the 8-bit-activation GGUF products use AVX-512 VNNI here");
   m.def("a8_screen_candidates", &a8_screen_candidates,
         "scores [R, V] f32 (q8_0_a8_linear's logits), x [R, K] f32, col_norms [V] f32 (rounded "
-        "up), max_norm >= each, w [V, bytes] u8 (the exact head's blocks), the bound's constants -> (candidate "
-        "columns, whole groups of 16 ascending; their rows of w; whether the bound held)");
+        "up), max_norm >= each, w [V, bytes] u8 (the exact head's blocks), the bound's "
+        "constants -> (candidate columns, whole groups of 16 ascending; their rows of w; "
+        "whether the bound held)");
   m.def("run_attention", &run_attention,
         "q [T, H, D] of short runs against k, v [S, KvH, K, D]; causal within each run");
 }

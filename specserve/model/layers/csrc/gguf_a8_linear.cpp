@@ -394,7 +394,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> a8_screen_candidates(
 #if defined(__AVX512F__)
       const __m512 pv = _mm512_set1_ps(pre);
       for (int64_t g = 0; g < groups; ++g)
-        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(row + g * kLanes), pv, _CMP_GE_OQ)) near.push_back(g);
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(row + g * kLanes), pv, _CMP_GE_OQ))
+          near.push_back(g);
 #else
       for (int64_t g = 0; g < groups; ++g) {
         bool any = false;

@@ -79,7 +79,7 @@ class GGUFBlockLinear(nn.Module):
         # the copy of its weights that screen reads, if it reads its own (a buffer, so that the
         # loader moves it with the rest: model/huge_pages.py)
         self.greedy_screen: HeadScreen | None = None
-        self.register_buffer("screen_blocks", None)
+        self.register_buffer("screen_blocks", None, persistent=False)
         self.format_name = format_name
         self.in_features, self.out_features = linear.in_features, linear.out_features
 

@@ -18,11 +18,11 @@ multiplies (x'_i = dx * round(x_i / dx) per block, dx = max |x| / 127),
                <= ||w_n|| * (||x - x'|| * (1 + SUM_SLACK) + SUM_SLACK * ||x||) + SLACK_ABS:
 the middle term by Cauchy-Schwarz; the outer ones are float32 rounding of sums of exact
 products (Q8_0 weights are d * q exactly, the 8-bit products are exact integers): at most
-(K / 32 + 2) roundings of 2**-24 in the screen and (K / 16 + 5) in the exact kernel, each of
-sum_i |w_ni x_i| <= ||w_n|| ||x||, so 2**-12 (SUM_SLACK) covers both up to K = 2**15. The norms
-||w_n|| are taken once at load (float64, rounded up to float32), ||x - x'|| per row from the very
-rounding the kernel applies (csrc: a8_screen_groups), and SLACK_ABS covers products that
-underflow. A column with A_n + slack_n < max_m (A_m - slack_m) has L_n < L_m for that m, so it
+(K / 32 + 2) roundings of 2**-24 of sum_i |w_ni x'_i| <= ||w_n|| (||x|| + ||x - x'||) in the
+screen and (K / 16 + 5) of sum_i |w_ni x_i| <= ||w_n|| ||x|| in the exact kernel, so 2**-12
+(SUM_SLACK) covers both up to K = 2**15. The norms ||w_n|| are taken once at load (float64,
+rounded up to float32), ||x - x'|| per row from the very rounding the kernel applies
+(csrc/gguf_a8_linear.cpp: a8_screen_candidates), and SLACK_ABS covers products that underflow. A column with A_n + slack_n < max_m (A_m - slack_m) has L_n < L_m for that m, so it
 is not the argmax; every column tied for the exact maximum passes. The argmax over the
 rechecked columns (ascending) is then the full head's, the lowest index among equal maxima
 included: greedy speculation stays token for token equal to plain decoding, and to transformers
