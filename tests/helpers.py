@@ -26,6 +26,31 @@ def gguf_blocks(qtype: GGMLQuantizationType, out_features: int, in_features: int
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dense.astype(np.float32))
 
 
+NEAR_TIE_N, NEAR_TIE_K = 256, 96  # near_tie_head: 16 groups of 16 columns, 3 blocks of 32 inputs
+
+
+def near_tie_head(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 head for the greedy screens' tests (tests/test_greedy_screen*.py): blocks
+    [N, K / 32 * 34] whose rows are one row of codes with a few codes moved by one (exact
+    logits d * (x_a + x_b - x_c - x_e) apart), row 5 with x_0's code raised by 20 and row 40 a
+    copy of it; and the dense weights."""
+    n, k = NEAR_TIE_N, NEAR_TIE_K
+    rng = np.random.default_rng(seed)
+    base = rng.integers(-100, 101, size=k)
+    codes = np.tile(base, (n, 1))
+    for row in range(n):  # two codes up by one, two down: sum(codes) stays, logits barely move
+        at = rng.choice(np.arange(1, k), size=4, replace=False)
+        codes[row, at] += np.array([1, 1, -1, -1])
+    codes[5, 0] = base[0] + 20  # a clear winner for x with a large x_0 ...
+    codes[40] = codes[5]  # ... tied exactly with a later column
+    d = np.float16(0.0123)
+    raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    raw[:, :, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    raw[:, :, 2:] = codes.reshape(n, k // 32, 32).astype(np.int8).view(np.uint8)
+    dense = torch.from_numpy((codes * np.float32(d)).astype(np.float32))
+    return torch.from_numpy(raw.reshape(n, -1)), dense
+
+
 def hf_model(path: Path, **kwargs):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 

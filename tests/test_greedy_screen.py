@@ -6,11 +6,12 @@ there, and these are skipped, saying so."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from helpers import gguf_blocks
+from helpers import NEAR_TIE_K as K
+from helpers import NEAR_TIE_N as N
+from helpers import gguf_blocks, near_tie_head
 
 from specserve.model.layers import cpu_kernels, fused_argmax
 from specserve.model.layers.quantization import gguf_amx, greedy_screen
@@ -19,28 +20,6 @@ from specserve.model.layers.quantization.greedy_screen import GreedyScreen
 kernels = cpu_kernels.load()
 HAS_AMX = kernels is not None and bool(kernels.amx_ready())
 pytestmark = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or its build) has no AMX tiles")
-
-N, K = 256, 96  # 16 groups of 16 columns, 3 blocks of 32 inputs
-
-
-def near_tie_head(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 blocks [N, K / 32 * 34] whose rows are one row of codes with a few codes moved by
-    one (exact logits d * (x_a + x_b - x_c - x_e) apart), row 5 with x_0's code raised by 20
-    and row 40 a copy of it; and the dense weights."""
-    rng = np.random.default_rng(seed)
-    base = rng.integers(-100, 101, size=K)
-    codes = np.tile(base, (N, 1))
-    for n in range(N):  # two codes up by one, two down: sum(codes) stays, logits barely move
-        at = rng.choice(np.arange(1, K), size=4, replace=False)
-        codes[n, at] += np.array([1, 1, -1, -1])
-    codes[5, 0] = base[0] + 20  # a clear winner for x with a large x_0 ...
-    codes[40] = codes[5]  # ... tied exactly with a later column
-    d = np.float16(0.0123)
-    raw = np.zeros((N, K // 32, 34), dtype=np.uint8)
-    raw[:, :, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-    raw[:, :, 2:] = codes.reshape(N, K // 32, 32).astype(np.int8).view(np.uint8)
-    dense = torch.from_numpy((codes * np.float32(d)).astype(np.float32))
-    return torch.from_numpy(raw.reshape(N, -1)), dense
 
 
 def exact_argmax(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -173,26 +173,9 @@ def test_lower_matmul_precision_keeps_speculation_lossless(precision, suffix, k)
 def test_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
     """Greedy steps of 6+ rows take the head's screen (quantization/greedy_screen.py): on every
     such step of a batch of chat prompts its tokens must be the exact head's argmax."""
-    from specserve.model.layers import fused_argmax
-    from specserve.model.layers.quantization import greedy_screen
+    from specserve.model.layers.quantization.greedy_screen import GreedyScreen
 
-    head = smol_llm.llm_engine.runner.model.lm_head
-    assert head.greedy_screen is not None
-    screened_rows = []
-    argmax = greedy_screen.GreedyScreen.argmax
-
-    def checked(self, x, packed, screen_blocks=None):
-        tokens = argmax(self, x, packed, screen_blocks)
-        assert torch.equal(tokens, fused_argmax.logits_argmax(head(x)))
-        screened_rows.append(x.shape[0])
-        return tokens
-
-    monkeypatch.setattr(greedy_screen.GreedyScreen, "argmax", checked)
-    prompts = [smol_llm.apply_chat_template([{"role": "user", "content": p}])
-               for p in CHAT_PROMPTS]
-    smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                      use_tqdm=False)
-    assert len(screened_rows) >= 20 and min(screened_rows) >= greedy_screen.MIN_ROWS
+    _check_every_screened_step(smol_llm, monkeypatch, GreedyScreen)
 
 
 def _vnni_screen_in_use() -> bool:
@@ -207,13 +190,20 @@ def _vnni_screen_in_use() -> bool:
 def test_vnni_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
     """Greedy steps of 2+ rows take the head's 8-bit screen (quantization/greedy_screen_vnni.py):
     on every such step of a batch of chat prompts its tokens must be the exact head's argmax."""
+    from specserve.model.layers.quantization.greedy_screen_vnni import VnniGreedyScreen
+
+    _check_every_screened_step(smol_llm, monkeypatch, VnniGreedyScreen)
+
+
+def _check_every_screened_step(smol_llm, monkeypatch, screen_type) -> None:
+    """Greedy-decode a batch of chat prompts with the head's screen (of screen_type) checked
+    against the exact head's logits on every step it serves; it must serve 20+ steps."""
     from specserve.model.layers import fused_argmax
-    from specserve.model.layers.quantization import greedy_screen_vnni
 
     head = smol_llm.llm_engine.runner.model.lm_head
-    assert isinstance(head.greedy_screen, greedy_screen_vnni.VnniGreedyScreen)
+    assert isinstance(head.greedy_screen, screen_type)
     screened_rows = []
-    argmax = greedy_screen_vnni.VnniGreedyScreen.argmax
+    argmax = screen_type.argmax
 
     def checked(self, x, blocks, screen_blocks=None):
         tokens = argmax(self, x, blocks, screen_blocks)
@@ -221,10 +211,9 @@ def test_vnni_greedy_screen_gives_the_exact_heads_tokens(smol_llm, monkeypatch):
         screened_rows.append(x.shape[0])
         return tokens
 
-    monkeypatch.setattr(greedy_screen_vnni.VnniGreedyScreen, "argmax", checked)
+    monkeypatch.setattr(screen_type, "argmax", checked)
     prompts = [smol_llm.apply_chat_template([{"role": "user", "content": p}])
                for p in CHAT_PROMPTS]
     smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                       use_tqdm=False)
-    assert len(screened_rows) >= 20
-    assert min(screened_rows) >= greedy_screen_vnni.VnniGreedyScreen.min_rows
+    assert len(screened_rows) >= 20 and min(screened_rows) >= screen_type.min_rows
