@@ -21,8 +21,9 @@ tokens per request:
   on a shared machine hits all of them alike; each turn starts with an untimed 1-token request
   (see batch1).
 * **batch 32, throughput**: 32 prompts of a set at once, end to end (prefill included),
-  generated tokens / wall time, the best of 4 interleaved rounds; specserve only
-  (transformers' prompt lookup supports batch 1 only).
+  generated tokens / the engine's own step time over 4 rounds, the engines taking turns one
+  step at a time (see batched); specserve only (transformers' prompt lookup supports batch 1
+  only).
 
 Speculative engines: "[ngram]" and "[suffix]" at k = 5 (the issue's example), "[ngram]" with
 ``ngram_prompt_lookup_aligned=True`` (the occurrence the answer is copying, spec_decode/ngram.py)
@@ -48,6 +49,7 @@ Usage: ``python benchmarks/bench_draft_free_cpu.py [--quick] [--threads 2] [--id
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -65,7 +67,7 @@ BATCH1_PROMPTS = 32
 EARLY_PROMPTS = 6  # the grounded batch-1 subset of sessions 21-34, reported beside the full set
 QUICK_BATCH1_PROMPTS = 2
 BATCH = 32
-BATCH_ROUNDS = 4  # interleaved rounds at batch 32; the fastest round per engine counts
+BATCH_ROUNDS = 4  # rounds at batch 32, the engines in lockstep (see batched)
 QUICK_BATCH = 8
 NUM_SPECULATIVE_TOKENS = 5
 NGRAM_MAX = 4
@@ -121,6 +123,7 @@ class Ours:
 
         self.llm = LLM(device="cpu", enable_prefix_caching=False, max_model_len=2048, **spec)
         self.spec = "speculative_model" in spec
+        self.request_counter = itertools.count()
 
     def chat_ids(self, text: str) -> list[int]:
         rendered = self.llm.apply_chat_template([{"role": "user", "content": text}])
@@ -133,6 +136,21 @@ class Ours:
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                  use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
+
+    def submit(self, prompts: list[list[int]], new_tokens: int) -> list[str]:
+        """Add the prompts as requests without running them (for batched's lockstep); their
+        request ids, in order."""
+        from specserve import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+        ids = [f"lockstep-{next(self.request_counter)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.llm.llm_engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+        return ids
+
+    def step(self) -> list:
+        """One engine step; the RequestOutputs it produced."""
+        return self.llm.llm_engine.step()
 
     def counters(self):
         return self.llm.llm_engine.speculation.metrics.total if self.spec else None
@@ -249,20 +267,55 @@ def batch1(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: 
 
 def batched(engines: dict, prompts: list[list[int]], new_tokens: int, idle_wait: float,
             rounds: int):
-    """Generated tok/s per engine, end to end; the engines take turns in every round and the
-    fastest round counts (other load only ever slows a run down). Every round starts with
-    "[suffix]"'s cache of earlier outputs empty (Ours.forget_outputs): the batch repeats
-    requests the engine already answered."""
-    rates: dict[str, float] = {name: 0.0 for name in engines}
-    outputs = {}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            wait_idle(idle_wait)
-            engine.forget_outputs()
-            seconds, outs = timed(lambda e=engine: e.generate(prompts, new_tokens))
-            rates[name] = max(rates[name], sum(len(o) for o in outs) / seconds)
+    """Generated tok/s per engine, end to end (prefill included), with the engines in
+    lockstep: in every round each engine gets the whole batch, then they take turns one
+    engine step at a time and each engine's rate is its generated tokens over the time of its
+    own steps, summed over the rounds. Every round starts with "[suffix]"'s cache of earlier
+    outputs empty (Ours.forget_outputs): the batch repeats requests the engine already
+    answered.
+
+    Why lockstep: this repo's 2-core VM runs ~35 % slower for stretches of tens of seconds
+    (session 40: one engine 147 -> 179 tok/s between two rounds of the same batch, the same
+    prefill 10.0-13.7 s), longer than a ~0.2 s batch-32 step but as long as a ~30 s batch.
+    Engines that ran their whole batch one after the other drew different stretches: two
+    identical engines read up to 23 % apart, more than any margin at batch 32. Taking turns
+    per step puts every engine in the same stretches. The engines start each round together
+    and the faster one finishes first; the slower one's tail, run alone, is the only part
+    not shared. The order of turns rotates from round to round.
+
+    Returns the rates, each engine's outputs (the last round's) and each round's rates."""
+    seconds = {name: 0.0 for name in engines}
+    tokens = {name: 0 for name in engines}
+    per_round: list[dict[str, float]] = []
+    outputs: dict[str, list[list[int]]] = {}
+    names = list(engines)
+    for r in range(rounds):
+        wait_idle(idle_wait)
+        order = names[r % len(names):] + names[:r % len(names)]
+        ids = {}
+        for name in order:
+            engines[name].forget_outputs()
+            ids[name] = engines[name].submit(prompts, new_tokens)
+        finished: dict[str, dict] = {name: {} for name in order}
+        spent = {name: 0.0 for name in order}
+        active = list(order)
+        while active:
+            for name in list(active):
+                t, outs = timed(engines[name].step)
+                spent[name] += t
+                finished[name].update((o.request_id, o) for o in outs if o.finished)
+                if len(finished[name]) == len(ids[name]):
+                    active.remove(name)
+        round_rates = {}
+        for name in order:
+            outs = [finished[name][i].outputs[0].token_ids for i in ids[name]]
             outputs[name] = outs
-    return rates, outputs
+            generated = sum(len(o) for o in outs)
+            tokens[name] += generated
+            seconds[name] += spent[name]
+            round_rates[name] = generated / spent[name]
+        per_round.append(round_rates)
+    return {name: tokens[name] / seconds[name] for name in names}, outputs, per_round
 
 
 def spec_stats(before, after) -> str:
@@ -334,7 +387,7 @@ def main() -> None:
     parser.add_argument("--batch1-only", action="store_true", help="skip the batch-32 runs")
     parser.add_argument("--batched-only", action="store_true", help="skip the batch-1 runs")
     parser.add_argument("--rounds", type=int, default=None, metavar="N",
-                        help=f"interleaved rounds at batch {BATCH}, the fastest counting "
+                        help=f"rounds at batch {BATCH}, the engines in lockstep, all counting "
                              f"(default {BATCH_ROUNDS}; --quick: 1)")
     args = parser.parse_args()
     if args.batch1_only and args.batched_only:
@@ -432,12 +485,16 @@ def main() -> None:
             continue
         prompts_b = (prompts * batch)[:batch]
         before = snapshot(ours)
-        rates_b, outputs_b = batched(ours, prompts_b, new_tokens, args.idle_wait, rounds)
+        rates_b, outputs_b, per_round = batched(ours, prompts_b, new_tokens, args.idle_wait,
+                                                rounds)
         after = snapshot(ours)
         stats = {name: spec_stats(before[name], after[name]) for name in before}
-        report(f"{title}, batch {batch}, end-to-end throughput tok/s, best of {rounds} "
-               "interleaved rounds (transformers' prompt lookup: batch 1 only)",
+        report(f"{title}, batch {batch}, end-to-end throughput tok/s, {rounds} rounds with the "
+               "engines in lockstep (transformers' prompt lookup: batch 1 only)",
                rates_b, outputs_b, stats)
+        print("\nper round, vs specserve plain: " + "; ".join(
+            f"{name} " + " ".join(f"{r[name] / r['specserve']:.3f}" for r in per_round)
+            for name in ours if name != "specserve"))
         summary[(key, batch)] = rates_b
     print("\n### goals\n")
     goals = {("grounded", 1): "goal >= 2x", ("chat", 1): ">= 0.95x",
