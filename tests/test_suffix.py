@@ -11,7 +11,7 @@ from helpers import tiny_llm
 from specserve import LLM, SamplingParams
 from specserve.engine.sequence import Sequence, SequenceStatus
 from specserve.spec_decode.spec_config import SpeculativeConfig
-from specserve.spec_decode.suffix import Cursor, OutputCache, SuffixProposer, SuffixTree
+from specserve.spec_decode.suffix import Cursor, OutputCache, SuffixProposer, SuffixTree, _walk
 
 # ---------------------------------------------------------------------------------------------
 # the tree
@@ -116,6 +116,57 @@ def test_longest_match():
     assert tree.longest_match([1, 2, 3, 4]) == 4
     assert tree.longest_match([7, 1, 2, 3, 4]) == 4  # only the last max_depth tokens count
     assert tree.longest_match([9]) == 0
+
+
+def scan_every_tail(tree: SuffixTree, context: list[int], max_tokens: int, factor: float,
+                    min_prob: float) -> tuple[list[int], float, int]:
+    """The proposal by brute force: every tail of context matched from the root, longest
+    first (what SuffixTree.speculate computed before its binary search and cursor lookups)."""
+    pattern = context[-tree.max_depth :]
+    best: tuple[list[int], float, int] = ([], 0.0, 0)
+    for m in range(len(pattern), 0, -1):
+        limit = min(max_tokens, int(m * factor + 1e-6), tree.max_depth - m)
+        hit = tree._match(pattern, len(pattern) - m)
+        if hit is None or limit <= best[1]:
+            continue
+        tokens, score = _walk(hit[0], hit[1], limit, min_prob)
+        if score > best[1]:
+            best = (tokens, score, m)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_speculate_equals_a_scan_of_every_tail(seed):
+    """The binary search for the longest matching tail (a cache tree, with removals) and the
+    cursor's own tail nodes (a growing sequence, its prompt shared as a request's is) propose
+    exactly what matching every tail from the root does. Small alphabets give long repeats,
+    large max_spec_factor long walks."""
+    rng = random.Random(seed)
+    depth = rng.randint(2, 8)
+    vocab = rng.randint(2, 5)
+    factor, min_prob = rng.choice([0.5, 1.0, 4.0]), rng.choice([0.0, 0.1, 0.5])
+    cache = SuffixTree(depth)
+    complete = []
+    for _ in range(rng.randint(1, 5)):
+        complete.append([rng.randrange(vocab) for _ in range(rng.randint(1, 30))])
+        cache.insert(complete[-1])
+    if rng.random() < 0.5:
+        cache.remove(complete.pop(0))
+    own = SuffixTree(depth)
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 3 * depth))]
+    shared = max(0, len(prompt) - depth + 1)  # as SuffixProposer._register shares a prompt
+    own.insert(prompt, num_starts=shared)
+    cursor, context = Cursor(), list(prompt)
+    own.extend(cursor, prompt[shared:])
+    for _ in range(20):
+        k = rng.randint(1, 2 * depth)
+        for tree, kwargs in ((cache, {}), (own, {"cursor": cursor})):
+            got = tree.speculate(context, k, factor, min_prob, **kwargs)
+            assert (got.token_ids, got.score, got.match_len) == scan_every_tail(
+                tree, context, k, factor, min_prob)
+        new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        own.extend(cursor, new)
+        context.extend(new)
 
 
 def test_walk_follows_the_most_frequent_continuation():

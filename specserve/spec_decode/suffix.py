@@ -183,26 +183,47 @@ class SuffixTree:
         return 0 if hit is None else hit[0].count
 
     def longest_match(self, context: list[int]) -> int:
-        """Length of the longest tail of context (<= max_depth) that occurs in the tree."""
+        """Length of the longest tail of context (<= max_depth) that occurs in the tree.
+
+        A binary search: the tree holds every substring of length <= max_depth of its
+        sequences, so when a tail occurs so does every shorter one (its suffixes). A scan from
+        the longest tail down matched ~23 tails per lookup on chat text that occurs nowhere
+        (each walk from the root), ~4 % of a batch-32 run's time on the 2-core CPU."""
         pattern = context[-self.max_depth :]
-        for m in range(len(pattern), 0, -1):
-            if self._match(pattern, len(pattern) - m) is not None:
-                return m
-        return 0
+        lo, hi = 0, len(pattern)  # the tail of length lo occurs; hi is an upper bound
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            if self._match(pattern, len(pattern) - m) is None:
+                hi = m - 1
+            else:
+                lo = m
+        return lo
 
     def speculate(self, context: list[int], max_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> SuffixCandidate:
-        """The best-scoring frequency walk over all matching tails of context."""
+                  min_token_prob: float, cursor: Cursor | None = None) -> SuffixCandidate:
+        """The best-scoring frequency walk over all matching tails of context.
+
+        cursor: the context's own cursor in this tree (the tree holds the context itself, as
+        a request's tree holds its sequence): its nodes are where the context's tails end, so
+        no tail is matched from the root. Else the tails that occur are found with
+        longest_match and matched one by one."""
         pattern = context[-self.max_depth :]
         best = SuffixCandidate()
-        for m in range(len(pattern), 0, -1):  # longest match first: it wins ties
+        if cursor is not None:
+            ends = cursor.active  # [i]: where the tail of length len(ends) - i ends
+            longest = min(len(ends), len(pattern))
+        else:
+            longest = self.longest_match(pattern)
+        for m in range(longest, 0, -1):  # longest match first: it wins ties
             # A walk from depth m yields at most this many tokens, each adding <= 1 to the score.
             limit = min(max_tokens, int(m * max_spec_factor + _EPS), self.max_depth - m)
             if limit <= best.score:
                 continue
-            hit = self._match(pattern, len(pattern) - m)
-            if hit is None:
-                continue
+            if cursor is not None:
+                node = ends[len(ends) - m]
+                hit = (node, len(node.label))  # a suffix ends at its node's boundary
+            else:
+                hit = self._match(pattern, len(pattern) - m)
             tokens, score = _walk(hit[0], hit[1], limit, min_token_prob)
             if score > best.score:
                 best = SuffixCandidate(tokens, score, m)
@@ -290,7 +311,7 @@ class SuffixProposer(Proposer):
                 continue
             context = seq.token_ids[-self.max_depth :]
             best = state.request.tree.speculate(context, k, self.max_spec_factor,
-                                                self.min_token_prob)
+                                                self.min_token_prob, state.cursor)
             if self.cache is not None:
                 other = self.cache.tree.speculate(context, k, self.max_spec_factor,
                                                   self.min_token_prob)
