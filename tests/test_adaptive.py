@@ -937,3 +937,40 @@ def test_cost_past_the_measured_counts_follows_the_last_measured_slope():
         policy.acceptance[seq_id] = [0.45, 1.0]
         policy.continuation_trials[seq_id] = MIN_CONTINUATION_TRIALS
     assert sum(policy.plan(batch, [4] * 32)) <= 64
+
+
+def test_unmeasured_proposals_cost_what_a_plain_row_does(monkeypatch):
+    """Before any speculative step of a batch bucket is measured, a proposal is priced at what
+    one more sequence adds to a plain step there (StepCosts.proposal_prior), not at nothing.
+    On the 2-core CPU a closed batch shrinking from 32 entered each bucket betting up to
+    EXPLORE_MIN proposals as if free; they cost 1.3-2.5 plain steps (session 41)."""
+    policy = AdaptiveSpeculation(4)
+    for b in range(20, 33):  # a closed batch's plain steps: 10 ms + 2 ms a sequence
+        policy.costs.observe(b, 0, 0.010 + 0.002 * b, after_spec=False)
+    assert policy.costs.proposal_prior(32) == pytest.approx(0.002 / 0.074)
+    assert policy.costs.proposal_prior(4) == 0.0  # no plain steps measured near it
+    assert _cost_table([(0.0, 1.0)], 8, 0.0, 0.03)[8] == pytest.approx(1.24)
+    assert _cost_table([(0.0, 1.0), (4.0, 1.1)], 8, 0.0, 0.03)[8] == pytest.approx(1.22)
+    batch = list(range(32))
+    for seq_id in batch:  # 8 sequences whose first proposal is accepted 60 % of the time
+        policy.acceptance[seq_id] = [0.6 if seq_id < 8 else 0.0, 0.5]
+        policy.continuation_trials[seq_id] = MIN_CONTINUATION_TRIALS
+    # 8 proposals: 4.8 tokens for 8 rows, 1.22 plain steps: 36.8 tokens against 32 * 1.22
+    assert sum(policy.plan(batch, [1] * 8 + [0] * 24)) == 0
+    monkeypatch.setattr(policy.costs, "proposal_prior", lambda batch_size: 0.0)
+    assert sum(policy.plan(batch, [1] * 8 + [0] * 24)) == 8  # priced as free, they were bet
+
+
+def test_a_counts_cost_is_the_median_of_its_samples(monkeypatch):
+    """A count's cost is the median of its ratio samples, not the fastest. Each sample is one
+    step against the typical plain step, so its noise goes both ways, and the fastest of six
+    read 0.98-1.00 plain steps on the 2-core CPU for 8 proposals at batch 30 that cost 1.12-1.23
+    (session 41): the policy went on betting on them."""
+    policy = AdaptiveSpeculation(4)
+    for _ in range(3):
+        policy.costs.observe(32, 0, PLAIN_SECONDS, after_spec=False)
+    for ratio in (1.3, 1.0, 1.15, 1.2, 1.1):
+        policy.costs.observe(32, 8, PLAIN_SECONDS * ratio, after_spec=False)
+    assert policy.costs.ratio_curve(32) == [(0.0, 1.0), (8, pytest.approx(1.15))]
+    monkeypatch.setattr(adaptive, "MEDIAN_RATIOS", False)
+    assert policy.costs.ratio_curve(32) == [(0.0, 1.0), (8, pytest.approx(1.0))]

@@ -50,3 +50,29 @@ def test_batch1_repeats_run_each_prompt_from_the_same_state(engines):
     # each repeat runs three requests (untimed 1 token, timed, 1 token): only the last
     # repeat's stay cached, not all nine
     assert cached_requests(suffix) == cached + 3
+
+
+def test_batched_takes_turns_one_engine_step_at_a_time(engines, monkeypatch):
+    """Batch 32's lockstep (bench.batched): while both engines have requests left they take
+    turns step by step, so a slow stretch of the machine hits both; the order rotates from
+    round to round, every round counts, and the tokens are plain decoding's."""
+    events: list[tuple[str, str]] = []
+    for name, engine in engines.items():
+        step, submit = engine.step, engine.submit
+        monkeypatch.setattr(engine, "step",
+                            lambda n=name, f=step: events.append(("step", n)) or f())
+        monkeypatch.setattr(engine, "submit",
+                            lambda *a, n=name, f=submit: events.append(("submit", n)) or f(*a))
+    prompt = engines["suffix"].chat_ids(PROMPT)
+    prompts = [prompt, prompt[:-3], prompt]
+    rates, outputs, per_round = bench.batched(engines, prompts, 12, 0.0, rounds=2)
+    assert outputs["suffix"] == outputs["specserve"] == engines["specserve"].generate(prompts, 12)
+    assert len(per_round) == 2 and all(set(r) == set(engines) for r in per_round)
+    assert all(r > 0 for r in rates.values())
+    starts = [i for i, (kind, _) in enumerate(events) if kind == "submit"][::2]
+    assert len(starts) == 2
+    for r, start in enumerate(starts):
+        order = [events[start][1], events[start + 1][1]]
+        assert order == (["specserve", "suffix"] if r == 0 else ["suffix", "specserve"])
+        steps = [n for _, n in events[start + 2 : start + 6]]
+        assert steps == order * 2, events  # one step each, in turn

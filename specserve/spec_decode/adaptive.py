@@ -22,10 +22,12 @@ so whatever it chooses the output is that of plain decoding (greedy) or has its 
   whole engine step (target pass, a draft model's passes, and the host work per sequence and per
   emitted token, which dominates on a GPU at large batches) as a function of the batch size B
   and the number of proposals p in it: the plain
-  decode time per B, and for speculative steps the ratio t(B, p) / t(B, 0) per (B, p) bucket,
-  each the fastest of its recent samples (other load only ever slows a step down), a ratio
-  sample taken against the median plain step (StepCosts.observe) and a count measured once
-  measured again after CONFIRM_STEPS (ratio_curve). A step where many sequences decode for
+  decode time per B, the fastest of its recent samples (other load only ever slows a step
+  down), and for speculative steps the ratio t(B, p) / t(B, 0) per (B, p) bucket, the lower
+  median of its recent samples, each taken against the median plain step (StepCosts.observe),
+  and a count measured once measured again after CONFIRM_STEPS (ratio_curve). Before a
+  bucket's first speculative steps, a proposal costs what a sequence adds to a plain step
+  (StepCosts.proposal_prior). A step where many sequences decode for
   the first time teaches nothing (driver._decodes_only: one-time costs per sequence). It also
   measures the extra cost of a plain step right after a speculative one (a CPU backend may
   rebuild decode state then) and charges speculative steps with it, in proportion to how often
@@ -86,7 +88,7 @@ MIN_CONTINUATION_TRIALS = 4  # before a sequence's own continuation rate is trus
 BORROW_STEPS = 8  # steps a draft model's batch runs on larger batches' cap measurements
 CLOSED_EXPLORE_TOKENS = 8  # a closed batch tries caps from plain decoding only this young
 MIN_GAIN = 1.02  # speculate only when predicted >= 2 % faster than plain decoding
-SAMPLES_KEPT = 6  # per cost bucket; the estimate is the fastest of them
+SAMPLES_KEPT = 6  # per cost bucket (plain: the fastest counts; ratios: the lower median)
 STALE_PLAIN = 0.97  # a speculative step this much faster than "plain" shows plain is stale
 PLAIN_EXPIRY = 100  # steps after which a plain-decode sample is dropped
 RATIO_EXPIRY = 200  # ... a speculative-step cost ratio sample
@@ -95,6 +97,9 @@ EXPLORE_MIN = 8  # draft-free proposals a step may try before any cost of its ba
 EXPLORE_FACTOR = 2  # ... and at most this many times the largest measured count after that
 MONOTONE_COSTS = True  # a count's cost ratio is at most that of any larger count (ratio_curve)
 TYPICAL_REFERENCE = True  # ratio samples are taken against the median plain step (observe)
+MEDIAN_RATIOS = True  # a count's cost is the lower median of its ratio samples (ratio_curve)
+PLAIN_ROW_PRIOR = True  # unmeasured proposals cost a plain step's row (proposal_prior)
+PRIOR_MIN_SPREAD = 4  # batch sizes at least this far apart give the proposal_prior slope
 
 
 @dataclass
@@ -156,13 +161,13 @@ class StepCosts:
             return
         # One step's time against a typical plain step's, not the fastest of up to
         # SAMPLES_KEPT: a ratio sample is one draw of the machine's noise, and over the fastest
-        # plain step it reads high by that noise's spread. The cost of a count is then the
+        # plain step it reads high by that noise's spread. (The cost of a count was then the
         # fastest of its own few samples, against the fastest of many plain ones: on the
         # shared CI machine, while loaded (plain steps 7.1-13.9 ms, gguf_a8 SmolLM2), two
         # rows read 1.10-1.18 plain steps against 1.03 measured alone. An estimate that errs
         # high is never corrected, as the policy does not try what it believes dear; one that
-        # errs low is tried, and measured. (On a quiet machine the two references gave the
-        # same speed within noise.)
+        # errs low is tried, and measured. On a quiet machine the two references gave the
+        # same speed within noise.) See ratio_curve for how a count's samples combine.
         ref = self._typical_plain(batch_size, t0) if TYPICAL_REFERENCE else t0
         if num_proposals == 0:
             self.after.setdefault(b, _Samples()).add(self.step, seconds / ref)
@@ -213,6 +218,32 @@ class StepCosts:
         # Err low (a lower t0 makes speculative steps look dearer): t grows sublinearly in B.
         return known[b] * batch_size / b if b > batch_size else known[b]
 
+    def proposal_prior(self, batch_size: int) -> float:
+        """What one proposal costs, in plain steps, before a batch's cost curve shows it: what
+        one more sequence adds to a plain step here, from the plain steps measured at batch
+        sizes within 1.5x of this one (the slope between the smallest and the largest of
+        them), over this batch size's plain step; 0 while fewer than PRIOR_MIN_SPREAD sizes
+        apart are measured.
+
+        Why: an unmeasured count was taken to cost what plain decoding does, and every batch
+        bucket a shrinking closed batch entered bet up to EXPLORE_MIN proposals on it. On the
+        2-core CPU at batch 16-32, where each row costs ~2 ms of a 40-80 ms step, those steps
+        cost 1.3-2.5 plain steps, and chat text at batch 32 ran 2-3 % slower than plain
+        decoding (session 41). A verified row costs at most what a new sequence's row does
+        (it reads no other context), so this errs high only where extra query rows are
+        cheaper than whole sequences; on a GPU at small batches both are nearly free and the
+        prior says so."""
+        known = {b: t for b, s in self.plain.items()
+                 if max(b, batch_size) <= 1.5 * min(b, batch_size)
+                 and (t := s.low(self.step, PLAIN_EXPIRY)) is not None}
+        t0 = self.plain_time(batch_size)
+        if len(known) < 2 or t0 is None:
+            return 0.0
+        lo, hi = min(known), max(known)
+        if hi - lo < PRIOR_MIN_SPREAD:
+            return 0.0
+        return max(known[hi] - known[lo], 0.0) / (hi - lo) / t0
+
     def ratio_curve(self, batch_size: int) -> list[tuple[float, float]]:
         """Measured (p, t(B, p) / t(B, 0)) points of B's bucket, (0, 1) first."""
         b = batch_bucket(batch_size)
@@ -224,12 +255,18 @@ class StepCosts:
             # engine's first verification, 28.7 ms against 7.5 steady for 6 rows of gguf_a8
             # SmolLM2 at batch 1: first-use costs, right after a prefill) kept "[ngram]"
             # from speculating for 200 steps, two whole requests of the benchmark. A second
-            # sample confirms a count that is really dear (the minimum of two is robust).
+            # sample confirms a count that is really dear (the lower of two is robust).
+            # The cost is the lower median of the samples (the lower of two, the median of
+            # three): each is one step against the typical plain step, so its noise goes both
+            # ways, and their fastest erred low. On the 2-core CPU at batch 30 the fastest of
+            # six said 0.98-1.00 plain steps for 8 proposals that cost 1.12-1.23 (session
+            # 41), and the policy kept betting on them: chat text at batch 32 lost 1-2 %.
             values = (samples.confirmed(self.step, RATIO_EXPIRY, CONFIRM_STEPS)
                       if bucket == b else None)
             if values:
+                ratios = sorted(r for _, r in values)
                 points.append((statistics.median(p for p, _ in values),
-                               min(r for _, r in values)))
+                               ratios[(len(ratios) - 1) // 2] if MEDIAN_RATIOS else ratios[0]))
         if MONOTONE_COSTS:
             # A step never costs more for verifying fewer proposals: a count measured dearer
             # than a larger one holds a slow sample (a count tried once or twice, in a slow
@@ -273,12 +310,13 @@ def row_value(points: list[tuple[float, float]], batch_size: int) -> float:
 
 
 def _cost_table(points: list[tuple[float, float]], max_p: int,
-                penalty: float) -> list[float]:
+                penalty: float, prior: float = 0.0) -> list[float]:
     """cost[p] for p = 0..max_p: a step with p proposals, in plain steps (t(B, p) / t(B, 0)
     from measured points, linear in between, plus the switch penalty; cost[0] = 1).
 
     Past the largest measured p it follows the slope between the two largest measured counts
-    (flat with only one, never downwards): a lower bound, as a step's cost is convex in p
+    (never downwards; with fewer than two, `prior` per proposal: StepCosts.proposal_prior, the
+    cost of a plain step's row): a lower bound, as a step's cost is convex in p
     (extra rows are nearly free while a pass is bound by reading the weights, and cost their
     full compute once it is not), so a larger p is tried whenever it could pay and is measured
     by trying it. Flat (the last ratio) was too optimistic where rows cost linearly: on the CPU
@@ -295,7 +333,7 @@ def _cost_table(points: list[tuple[float, float]], max_p: int,
     i = 0
     # slope of the last segment between two measured counts ((0, 1) -> the first one also
     # holds a speculative step's fixed cost, which is not paid again per proposal)
-    beyond = 0.0 if last < 2 else max(
+    beyond = prior if last < 2 else max(
         (ys[last] - ys[last - 1]) / (xs[last] - xs[last - 1]), 0.0)
     for p in range(1, max_p + 1):
         if p >= xs[last]:
@@ -603,7 +641,8 @@ class AdaptiveSpeculation:
             return  # this batch size has not been measured yet: this plain step measures it
         points = self.costs.ratio_curve(n)
         # cost[p], p = 0..: a step with p proposals over this batch, in plain steps
-        cost = _cost_table(points, fixed + len(candidates), self.costs.switch_penalty(n))
+        cost = _cost_table(points, fixed + len(candidates), self.costs.switch_penalty(n),
+                           self.costs.proposal_prior(n) if PLAIN_ROW_PRIOR else 0.0)
         expected = self._expected(n, ks, accept)
         candidates.sort(key=lambda c: (-c[0], c[1]))  # j-th before (j+1)-th of a sequence
         del candidates[max(explore_limit(points) - fixed, 0):]
