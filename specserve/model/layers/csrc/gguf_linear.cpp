@@ -29,6 +29,11 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 constexpr int kBlock = 32;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define SPECSERVE_NARROW 1  // 8-lane tiles (see tile8)
+#else
+#define SPECSERVE_NARROW 0
+#endif
 constexpr int kWideTile = 11;  // rows of x sharing one decode of a block (see rows_per_tile)
 constexpr int64_t kPanel = 32;  // weight rows kept in cache while all rows of x pass
 constexpr int64_t kPrefetchBlocks = 64;  // how far ahead of a weight row's block to prefetch
@@ -107,8 +112,8 @@ struct Q80 {
 // alone, so an output's summation order (its bits) depends only on how many rows of x share its
 // tile, never on Cols or on whether its column fell in a panel's tail.
 template <typename Format, int Rows, int Cols>
-static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                        int64_t blocks, float* y, int64_t ldy) {
+static inline void tile16(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                          int64_t blocks, float* y, int64_t ldy) {
   constexpr bool kSplit = Rows <= 2;
   constexpr int kHalves = kSplit ? 2 : 1;
   f32x16 acc[kHalves][Rows][Cols];
@@ -140,6 +145,114 @@ static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t r
       y[r * ldy + c] = hsum16(kSplit ? acc[0][r][c] + acc[kHalves - 1][r][c] : acc[0][r][c]);
 }
 
+#if SPECSERVE_NARROW
+// The AVX2 build (no 512-bit registers: AMD Zen 2-3, Intel before Ice Lake). GCC splits the
+// 16-lane vectors above into pairs of 8 but keeps arrays of them, and the lanes it moves
+// between the halves, on the stack: the 16-lane tiles ran SmolLM2's batch-1 matrices at
+// ~0.5 GB/s of weights on a 2-core AMD EPYC (Zen 3), 120 ms a step where the same bytes
+// copy in ~3 ms. These tiles hold a block as four native 8-lane quarters instead.
+typedef float f32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The sum of v's 8 lanes, in a fixed order.
+static inline float hsum8(f32x8 v) {
+  const __m256 a = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A block's 32 float32 values as quarters q[0..3] (elements 8i..8i+7), the same values as the
+// 16-lane decoders give.
+struct Q41x8 {
+  static constexpr int kBytes = 20;
+  static inline void decode(const uint8_t* block, f32x8* q) {
+    uint32_t dm;
+    std::memcpy(&dm, block, 4);
+    const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
+    const __m256 d = _mm256_broadcastss_ps(dmf);
+    const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dmf));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, nibble);  // elements 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);  // elements 16..31
+    const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+    for (int i = 0; i < 4; ++i)  // one FMA: the exact d * q plus m, rounded once
+      q[i] = reinterpret_cast<f32x8>(
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m));
+  }
+};
+
+struct Q80x8 {
+  static constexpr int kBytes = 34;
+  static inline void decode(const uint8_t* block, f32x8* q) {
+    uint16_t dh;
+    std::memcpy(&dh, block, 2);
+    const __m256 d = _mm256_set1_ps(half_to_float(dh));
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    const __m128i parts[4] = {a, _mm_unpackhi_epi64(a, a), b, _mm_unpackhi_epi64(b, b)};
+    for (int i = 0; i < 4; ++i)  // exact: 11 x 8 bits
+      q[i] = reinterpret_cast<f32x8>(
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), d));
+  }
+};
+
+template <typename Format> struct Narrow;
+template <> struct Narrow<Q41> { using type = Q41x8; };
+template <> struct Narrow<Q80> { using type = Q80x8; };
+
+// As tile above, in quarters: with 1-2 rows of x each quarter has its own accumulator (four
+// FMA chains per row, summed (q0 + q1) + (q2 + q3) at the end); from 3 rows on one
+// accumulator per (row, column) takes the four quarters in order, enough chains across rows.
+// The rule depends on Rows alone (the bits of an output depend only on whether its tile
+// holds more than 2 rows).
+template <typename Format, int Rows, int Cols>
+static inline void tile8(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                         int64_t blocks, float* y, int64_t ldy) {
+  using Quarters = typename Narrow<Format>::type;
+  constexpr int kChains = Rows <= 2 ? 4 : 1;
+  f32x8 acc[kChains][Rows][Cols];
+  for (int h = 0; h < kChains; ++h)
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < Cols; ++c) acc[h][r][c] = f32x8{};
+  for (int64_t g = 0; g < blocks; ++g) {
+    for (int c = 0; c < Cols; ++c)  // (see tile above)
+      __builtin_prefetch(w + c * row_bytes + (g + kPrefetchBlocks) * Format::kBytes);
+    f32x8 q[Cols][4];
+    for (int c = 0; c < Cols; ++c) Quarters::decode(w + c * row_bytes + g * Format::kBytes, q[c]);
+    const float* xg = x + g * kBlock;
+    for (int r = 0; r < Rows; ++r)
+      for (int i = 0; i < 4; ++i) {
+        const f32x8 xv = load8(xg + r * ldx + 8 * i);
+        for (int c = 0; c < Cols; ++c) acc[kChains == 4 ? i : 0][r][c] += xv * q[c][i];
+      }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c)
+      y[r * ldy + c] = hsum8(kChains == 4 ? (acc[0][r][c] + acc[1][r][c]) +
+                                                (acc[2][r][c] + acc[3][r][c])
+                                          : acc[0][r][c]);
+}
+#endif
+
+// One tile in this build's vector width.
+template <typename Format, int Rows, int Cols>
+static inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                        int64_t blocks, float* y, int64_t ldy) {
+#if SPECSERVE_NARROW
+  tile8<Format, Rows, Cols>(x, ldx, w, row_bytes, blocks, y, ldy);
+#else
+  tile16<Format, Rows, Cols>(x, ldx, w, row_bytes, blocks, y, ldy);
+#endif
+}
+
 // Output features [n0, n1) for rows [r0, r0 + Rows) of x: groups of Cols weight rows, then the tail.
 template <typename Format, int Rows, int Cols>
 static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
@@ -161,6 +274,26 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
 template <typename Format>
 static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                           int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
+#if SPECSERVE_NARROW
+  // 8-lane tiles (tile8), 16 vector registers: one weight row at a time except for 3 rows of x
+  // (6 accumulators and two decoded blocks); up to 11 rows is 11 accumulators, a block's four
+  // quarters and a row of x. On the 2-core Zen 3 (session 42, SmolLM2's shapes, weights from
+  // DRAM) 8 and 10 rows a tile ran within the noise (~10 %) of 11 up to 22 rows, and 11 was
+  // the fastest at 32.
+  switch (rows) {
+    case 1: return rows_block<Format, 1, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 2: return rows_block<Format, 2, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 3: return rows_block<Format, 3, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 4: return rows_block<Format, 4, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 5: return rows_block<Format, 5, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 6: return rows_block<Format, 6, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 7: return rows_block<Format, 7, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 8: return rows_block<Format, 8, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 9: return rows_block<Format, 9, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 10: return rows_block<Format, 10, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    default: return rows_block<Format, 11, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+  }
+#else
   switch (rows) {
     case 1: return rows_block<Format, 1, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     case 2: return rows_block<Format, 2, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
@@ -174,6 +307,7 @@ static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w,
     case 10: return rows_block<Format, 10, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
     default: return rows_block<Format, kWideTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
   }
+#endif
 }
 
 // Rows of x per tile for m rows in all: as few tiles as hold them (at most kWideTile rows each),
