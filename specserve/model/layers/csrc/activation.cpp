@@ -15,12 +15,36 @@
 
 namespace {
 
-inline f32x16 silu_mul16(f32x16 g, f32x16 up) {
-  const f32x16 zero{};
-  const f32x16 magnitude = g < zero ? zero - g : g;
-  const f32x16 e = exp16(zero - magnitude);
-  const f32x16 sigmoid = (g < zero ? e : zero + 1.0f) / (e + 1.0f);
+// silu(g) * up lane by lane in a float vector F (int vector I of as many lanes); a lane's
+// result does not depend on the width.
+template <typename F, typename I>
+inline F silu_mul_lanes(F g, F up) {
+  const F zero{};
+  const F magnitude = g < zero ? zero - g : g;
+  const F e = exp_lanes<F, I>(zero - magnitude);
+  const F sigmoid = (g < zero ? e : zero + 1.0f) / (e + 1.0f);
   return g * sigmoid * up;
+}
+
+// One row of `inter` values, a vector F at a time (f32xN), the tail through one padded
+// vector.
+template <typename F, typename I>
+void silu_mul_row(const float* gate, const float* up, float* o, int64_t inter) {
+  constexpr int W = sizeof(F) / sizeof(float);
+  const auto load = [](const float* p) { F v; std::memcpy(&v, p, sizeof(v)); return v; };
+  const int64_t vec_end = inter / W * W;
+  for (int64_t i = 0; i < vec_end; i += W) {
+    const F y = silu_mul_lanes<F, I>(load(gate + i), load(up + i));
+    std::memcpy(o + i, &y, sizeof(y));
+  }
+  if (vec_end < inter) {
+    float g[W] = {}, u[W] = {};
+    const int64_t n = inter - vec_end;
+    std::memcpy(g, gate + vec_end, n * sizeof(float));
+    std::memcpy(u, up + vec_end, n * sizeof(float));
+    const F y = silu_mul_lanes<F, I>(load(g), load(u));
+    std::memcpy(o + vec_end, &y, n * sizeof(float));
+  }
 }
 
 // Values per parallel task: a row of SmolLM2's MLP (1536) takes ~0.2 us, far below what waking
@@ -38,23 +62,13 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   torch::Tensor out = torch::empty({rows, inter}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  const int64_t vec_end = inter / 16 * 16;
   const int64_t grain = std::max<int64_t>(1, kValuesPerTask / std::max<int64_t>(1, inter));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = src + r * ld;
       const float* up = gate + inter;
       float* o = dst + r * inter;
-      for (int64_t i = 0; i < vec_end; i += 16)
-        store16(o + i, silu_mul16(load16(gate + i), load16(up + i)));
-      if (vec_end < inter) {  // the tail, through one padded vector
-        float g[16] = {}, u[16] = {}, y[16];
-        const int64_t n = inter - vec_end;
-        std::memcpy(g, gate + vec_end, n * sizeof(float));
-        std::memcpy(u, up + vec_end, n * sizeof(float));
-        store16(y, silu_mul16(load16(g), load16(u)));
-        std::memcpy(o + vec_end, y, n * sizeof(float));
-      }
+      silu_mul_row<f32xN, i32xN>(gate, up, o, inter);
     }
   });
   return out;

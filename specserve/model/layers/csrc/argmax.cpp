@@ -27,16 +27,20 @@ namespace {
 // greater replaces, so a lane keeps its earliest maximum); then the lanes' winners are merged,
 // lowest position first among equal values. NaN never compares greater, so a row with one is
 // scanned again for its first NaN.
+// W lanes of F (f32xN: 8 in an AVX2 build, see cpu_kernels.h); the answer does not depend on W.
+template <typename F, typename I>
 int64_t argmax_row(const float* x, int64_t n) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const int64_t vec_end = n / 16 * 16;
-  f32x16 best = f32x16{} - INFINITY;
-  i32x16 where = i32x16{} - 1;  // -1: no value above -inf seen yet in this lane
-  i32x16 pos = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  i32x16 nan = i32x16{};
-  for (int64_t i = 0; i < vec_end; i += 16, pos += 16) {
-    const f32x16 v = load16(x + i);
-    const i32x16 greater = v > best;
+  constexpr int W = sizeof(F) / sizeof(float);
+  const int64_t vec_end = n / W * W;
+  F best = F{} - INFINITY;
+  I where = I{} - 1;  // -1: no value above -inf seen yet in this lane
+  I pos;
+  for (int j = 0; j < W; ++j) pos[j] = j;
+  I nan = I{};
+  for (int64_t i = 0; i < vec_end; i += W, pos += W) {
+    F v;
+    std::memcpy(&v, x + i, sizeof(v));
+    const I greater = v > best;
     best = greater ? v : best;
     where = greater ? pos : where;
     nan |= v != v;
@@ -44,7 +48,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   float m = -INFINITY;
   int64_t at = -1;
   bool any_nan = false;
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < W; ++j) {
     any_nan |= nan[j] != 0;
     if (where[j] >= 0 && (best[j] > m || (best[j] == m && where[j] < at))) {
       m = best[j];
@@ -78,7 +82,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   const float* data = x.data_ptr<float>();
   int64_t* result = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) result[r] = argmax_row(data + r * ld, n);
+    for (int64_t r = begin; r < end; ++r) result[r] = argmax_row<f32xN, i32xN>(data + r * ld, n);
   });
   return out;
 }

@@ -40,30 +40,57 @@ inline float hsum16(f32x16 v) {
 #endif
 }
 
-// exp(x) for x <= 0 (attention's scores minus their max, silu's exp(-|g|)): 2^n * p(r) with
-// x = n ln2 + r, |r| <= ln2 / 2. Degree-6 polynomial (Cephes' expf coefficients); arguments
-// below -87 are taken as -87 (~1.6e-38; attention.cpp zeroes masked keys itself).
-inline f32x16 exp16(f32x16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const f32x16 lo = f32x16{} - 87.0f;
+// 8 float32 lanes: one AVX2 register. Where there is no AVX-512, GCC splits 16-lane vectors
+// but keeps arrays of them and their lane shuffles on the stack (session 42, 2-core Zen 3: the
+// GGUF products 14x and silu_mul ~10x slower than in 8 lanes), so the AVX2 build's hot loops
+// use 8 (kNativeLanes).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef f32x8 f32xN;  // this build's native float vector (and int vector of as many lanes)
+typedef i32x8 i32xN;
+#else
+typedef f32x16 f32xN;
+typedef i32x16 i32xN;
+#endif
+constexpr int kNativeLanes = sizeof(f32xN) / sizeof(float);
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp(x) for x <= 0 (attention's scores minus their max, silu's exp(-|g|)), lane by lane in a
+// float vector F with int vector I of as many lanes: 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2 / 2. Degree-6 polynomial (Cephes' expf coefficients); arguments below -87 are
+// taken as -87 (~1.6e-38; attention.cpp zeroes masked keys itself). Each lane's result does not
+// depend on the width.
+template <typename F, typename I>
+inline F exp_lanes(F x) {
+  const F lo = F{} - 87.0f;
   x = x < lo ? lo : x;
   // round to nearest for x <= 0: truncation of x log2(e) - 1/2
-  const f32x16 n = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16), f32x16);
-  f32x16 r = x - n * 0.693359375f;
+  const F n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, I), F);
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
 }
+
+inline f32x16 exp16(f32x16 x) { return exp_lanes<f32x16, i32x16>(x); }
 
 // gguf_linear.cpp: x [M, K] float32 @ raw GGUF blocks [N, K / 32 * block bytes]^T -> [M, N]
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& w);

@@ -24,7 +24,6 @@
 #include <immintrin.h>
 #endif
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
@@ -151,14 +150,6 @@ static inline void tile16(const float* x, int64_t ldx, const uint8_t* w, int64_t
 // between the halves, on the stack: the 16-lane tiles ran SmolLM2's batch-1 matrices at
 // ~0.5 GB/s of weights on a 2-core AMD EPYC (Zen 3), 120 ms a step where the same bytes
 // copy in ~3 ms. These tiles hold a block as four native 8-lane quarters instead.
-typedef float f32x8 __attribute__((vector_size(32)));
-
-static inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // The sum of v's 8 lanes, in a fixed order.
 static inline float hsum8(f32x8 v) {
   const __m256 a = reinterpret_cast<__m256>(v);
