@@ -855,7 +855,7 @@ def decode_ahead_ab(llm: LLM, prompt_sets: dict[int, list[list[int]]], new_token
                     rates[m].append(rate)
                     outs.setdefault(m, o)
 
-            def ratios(a: str, c: str) -> str:
+            def ratios(a: str, c: str, rates: dict = rates) -> str:
                 rs = sorted(x / y for x, y in zip(rates[a], rates[c], strict=True))
                 return f"{statistics.median(rs):.3f} ({rs[0]:.3f}-{rs[-1]:.3f})"
             lines.append(f"| {b} | " + " | ".join(", ".join(f"{x:.0f}" for x in rates[m])
@@ -1220,7 +1220,9 @@ def main() -> int:
         # outside the runner, host work inside it and GPU time apart.
         runner = engine.runner
         for name in ("execute_argmax", "execute", "execute_argmax_device", "execute_argmax_steps"):
-            def in_runner(*args, _fn=getattr(runner, name), **kwargs):
+            original = getattr(runner, name)
+
+            def in_runner(*args, _fn=original, **kwargs):
                 t = time.perf_counter()
                 try:
                     return _fn(*args, **kwargs)
