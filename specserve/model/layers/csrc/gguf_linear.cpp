@@ -262,43 +262,34 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
 // 24 % faster than 3); 2 for 9-11 too (rows_per_tile). Accumulators: at most 22 of the 32
 // vector registers, leaving room for the decoded blocks, the rows of x and the decode's
 // constants. The columns never change an output's bits (see tile's kSplit).
+#if SPECSERVE_NARROW
+// 8-lane tiles (tile8), 16 vector registers: one weight row at a time except for 3 rows of x
+// (6 accumulators and two decoded blocks); up to 11 rows is 11 accumulators, a block's four
+// quarters and a row of x. On the 2-core Zen 3 (session 42, SmolLM2's shapes, weights from
+// DRAM) 8 and 10 rows a tile ran within the noise (~10 %) of 11 up to 22 rows, and 11 was the
+// fastest at 32.
+constexpr int kColsFor[kWideTile + 1] = {0, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1};
+#else
+constexpr int kColsFor[kWideTile + 1] = {0, 1, 1, 4, 3, 2, 2, 2, 2, 2, 2, 2};
+#endif
+
 template <typename Format>
 static void rows_dispatch(int rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                           int64_t blocks, float* y, int64_t n, int64_t n0, int64_t n1) {
-#if SPECSERVE_NARROW
-  // 8-lane tiles (tile8), 16 vector registers: one weight row at a time except for 3 rows of x
-  // (6 accumulators and two decoded blocks); up to 11 rows is 11 accumulators, a block's four
-  // quarters and a row of x. On the 2-core Zen 3 (session 42, SmolLM2's shapes, weights from
-  // DRAM) 8 and 10 rows a tile ran within the noise (~10 %) of 11 up to 22 rows, and 11 was
-  // the fastest at 32.
   switch (rows) {
-    case 1: return rows_block<Format, 1, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 2: return rows_block<Format, 2, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 3: return rows_block<Format, 3, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 4: return rows_block<Format, 4, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 5: return rows_block<Format, 5, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 6: return rows_block<Format, 6, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 7: return rows_block<Format, 7, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 8: return rows_block<Format, 8, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 9: return rows_block<Format, 9, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 10: return rows_block<Format, 10, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    default: return rows_block<Format, 11, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 1: return rows_block<Format, 1, kColsFor[1]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 2: return rows_block<Format, 2, kColsFor[2]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 3: return rows_block<Format, 3, kColsFor[3]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 4: return rows_block<Format, 4, kColsFor[4]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 5: return rows_block<Format, 5, kColsFor[5]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 6: return rows_block<Format, 6, kColsFor[6]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 7: return rows_block<Format, 7, kColsFor[7]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 8: return rows_block<Format, 8, kColsFor[8]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 9: return rows_block<Format, 9, kColsFor[9]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    case 10: return rows_block<Format, 10, kColsFor[10]>(x, k, w, row_bytes, blocks, y, n, n0, n1);
+    default: return rows_block<Format, kWideTile, kColsFor[kWideTile]>(x, k, w, row_bytes, blocks,
+                                                                      y, n, n0, n1);
   }
-#else
-  switch (rows) {
-    case 1: return rows_block<Format, 1, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 2: return rows_block<Format, 2, 1>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 3: return rows_block<Format, 3, 4>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 4: return rows_block<Format, 4, 3>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 5: return rows_block<Format, 5, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 6: return rows_block<Format, 6, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 7: return rows_block<Format, 7, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 8: return rows_block<Format, 8, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 9: return rows_block<Format, 9, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    case 10: return rows_block<Format, 10, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-    default: return rows_block<Format, kWideTile, 2>(x, k, w, row_bytes, blocks, y, n, n0, n1);
-  }
-#endif
 }
 
 // Rows of x per tile for m rows in all: as few tiles as hold them (at most kWideTile rows each),
