@@ -38,8 +38,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   for (int j = 0; j < W; ++j) pos[j] = j;
   I nan = I{};
   for (int64_t i = 0; i < vec_end; i += W, pos += W) {
-    F v;
-    std::memcpy(&v, x + i, sizeof(v));
+    const F v = load_lanes<F>(x + i);
     const I greater = v > best;
     best = greater ? v : best;
     where = greater ? pos : where;

@@ -43,7 +43,7 @@ inline float hsum16(f32x16 v) {
 // 8 float32 lanes: one AVX2 register. Where there is no AVX-512, GCC splits 16-lane vectors
 // but keeps arrays of them and their lane shuffles on the stack (session 42, 2-core Zen 3: the
 // GGUF products 14x and silu_mul ~10x slower than in 8 lanes), so the AVX2 build's hot loops
-// use 8 (kNativeLanes).
+// use 8 (f32xN).
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -54,15 +54,14 @@ typedef i32x8 i32xN;
 typedef f32x16 f32xN;
 typedef i32x16 i32xN;
 #endif
-constexpr int kNativeLanes = sizeof(f32xN) / sizeof(float);
 
-inline f32x8 load8(const float* p) {
-  f32x8 v;
+// A vector F of floats from p (unaligned).
+template <typename F>
+inline F load_lanes(const float* p) {
+  F v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // exp(x) for x <= 0 (attention's scores minus their max, silu's exp(-|g|)), lane by lane in a
 // float vector F with int vector I of as many lanes: 2^n * p(r) with x = n ln2 + r,

@@ -221,7 +221,7 @@ static inline void tile8(const float* x, int64_t ldx, const uint8_t* w, int64_t 
     const float* xg = x + g * kBlock;
     for (int r = 0; r < Rows; ++r)
       for (int i = 0; i < 4; ++i) {
-        const f32x8 xv = load8(xg + r * ldx + 8 * i);
+        const f32x8 xv = load_lanes<f32x8>(xg + r * ldx + 8 * i);
         for (int c = 0; c < Cols; ++c) acc[kChains == 4 ? i : 0][r][c] += xv * q[c][i];
       }
   }
