@@ -150,6 +150,7 @@ static inline void tile16(const float* x, int64_t ldx, const uint8_t* w, int64_t
 // between the halves, on the stack: the 16-lane tiles ran SmolLM2's batch-1 matrices at
 // ~0.5 GB/s of weights on a 2-core AMD EPYC (Zen 3), 120 ms a step where the same bytes
 // copy in ~3 ms. These tiles hold a block as four native 8-lane quarters instead.
+
 // The sum of v's 8 lanes, in a fixed order.
 static inline float hsum8(f32x8 v) {
   const __m256 a = reinterpret_cast<__m256>(v);
