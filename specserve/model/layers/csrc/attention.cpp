@@ -9,9 +9,10 @@
 // query head) is one task that keeps its query rows, scores and output in cache, with no mask
 // tensor: query i of a run of length q in a sequence of length L sees keys [0, L - q + i].
 //
-// Arithmetic: scores s_j = scale * (q . k_j) summed in float32 (16-lane partial sums, then a
-// lane reduction; 16 keys share one reduction tree), softmax with max subtraction, exp by
-// Cephes' float32 polynomial (a vectorized exp, as SDPA's is), out = sum_j p_j v_j / sum_j p_j.
+// Arithmetic: scores s_j = scale * (q . k_j) summed in float32 (partial sums in the build's
+// vector lanes, 16 or 8, then a lane reduction; as many keys share one reduction tree), softmax
+// with max subtraction, exp by Cephes' float32 polynomial (a vectorized exp, as SDPA's is),
+// out = sum_j p_j v_j / sum_j p_j.
 // Results equal SDPA's to float32 rounding, not bit for bit, and are as close to a float64
 // reference (tests/test_cpu_kernels.py). A query row's arithmetic depends only on its own
 // position, not on the run around it, so a token's attention output does not depend on how many
@@ -33,9 +34,19 @@
 
 namespace {
 
-// The 16 lane sums of v[0..15] as one vector: out[j] = sum of v[j]'s lanes. A transpose-and-add
-// tree, ~3 shuffles and adds per input where a separate reduction of each costs ~8.
-inline f32x16 sum16x16(const f32x16* v) {
+// This build's native float vector (f32xN: 16 lanes with AVX-512, 8 with AVX2 only, where GCC
+// kept the 16-lane version's arrays of split vectors on the stack: session 43, 2-core Zen 3,
+// ~140 us a SmolLM2 layer's decode attention to ~400 keys, several times its arithmetic).
+using F = f32xN;
+using I = i32xN;
+constexpr int kLanes = sizeof(F) / sizeof(float);
+// Vector registers for a pass's accumulators (of 32 with AVX-512, of 16 otherwise).
+constexpr int kAccRegs = kLanes == 16 ? 24 : 12;
+
+// The lane sums of v[0..kLanes) as one vector: out[j] = sum of v[j]'s lanes. A transpose-and-add
+// tree, ~3 shuffles and adds per input where a separate reduction of each costs ~8. Each
+// input's lanes are summed in the same pattern whatever its position.
+inline f32x16 sum_lanes_tree(const f32x16* v) {
 #if defined(__AVX512F__)
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i) {  // lanes 4l..4l+3 of w[i]: 2 partial sums each of v[2i], v[2i+1]
@@ -59,135 +70,173 @@ inline f32x16 sum16x16(const f32x16* v) {
 #endif
 }
 
-// max(row[0..n)), 16 lanes at a time: a scalar loop is one dependent max per key (~4 cycles
+inline f32x8 sum_lanes_tree(const f32x8* v) {
+#if defined(__AVX__)
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]; twice gives each
+  // input's two half sums in the halves, which one add of the swapped halves finishes
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_hadd_ps(reinterpret_cast<__m256>(v[2 * i]), reinterpret_cast<__m256>(v[2 * i + 1]));
+  const __m256 g0 = _mm256_hadd_ps(h[0], h[1]), g1 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 out = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                   _mm256_permute2f128_ps(g0, g1, 0x31));
+  return reinterpret_cast<f32x8>(out);
+#else
+  f32x8 out;
+  for (int j = 0; j < 8; ++j) out[j] = hsum8(v[j]);
+  return out;
+#endif
+}
+
+// max(row[0..n)), a vector at a time: a scalar loop is one dependent max per key (~4 cycles
 // each); replacing it made a query row's attention ~35 % cheaper at SmolLM2's shapes
 // (BENCHMARKS.md "CPU, session 28"). The maximum is the same whatever the order, so the
 // softmax's bits are too.
 inline float row_max(const float* row, int64_t n) {
-  f32x16 lanes = f32x16{} - INFINITY;
+  F lanes = F{} - INFINITY;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const f32x16 x = load16(row + j);
+  for (; j + kLanes <= n; j += kLanes) {
+    const F x = load_lanes<F>(row + j);
     lanes = x > lanes ? x : lanes;
   }
   float m = -INFINITY;
-  for (int l = 0; l < 16; ++l) m = std::max(m, lanes[l]);
+  for (int l = 0; l < kLanes; ++l) m = std::max(m, lanes[l]);
   for (; j < n; ++j) m = std::max(m, row[j]);
   return m;
 }
 
-// The partial sums of q . k_j: 16 lanes (the reduction tree or a lane sum finishes them).
+// The partial sums of q . k_j: one vector (the reduction tree or a lane sum finishes them).
 template <int CH>
-inline f32x16 partial_dot(const f32x16* qv, const float* kj) {
-  f32x16 a = qv[0] * load16(kj);
-  for (int c = 1; c < CH; ++c) a += qv[c] * load16(kj + 16 * c);
+inline F partial_dot(const F* qv, const float* kj) {
+  F a = qv[0] * load_lanes<F>(kj);
+#pragma GCC unroll 16
+  for (int c = 1; c < CH; ++c) a += qv[c] * load_lanes<F>(kj + kLanes * c);
   return a;
 }
 
-// Scores of one query row for keys [j0, hi): 16 at a time through one reduction tree, then the
-// remaining keys one by one.
+// Scores of one query row for keys [j0, hi): kLanes at a time through one reduction tree, then
+// the remaining keys one by one.
 template <int CH>
 void score_row(const float* q, const float* k, int64_t kv_stride, int64_t j0, int64_t hi,
                float scale, float* row) {
-  f32x16 qv[CH];
-  for (int c = 0; c < CH; ++c) qv[c] = load16(q + 16 * c);
+  F qv[CH];
+  for (int c = 0; c < CH; ++c) qv[c] = load_lanes<F>(q + kLanes * c);
   int64_t j = j0;
-  for (; j + 16 <= hi; j += 16) {
-    f32x16 acc[16];
-    for (int jj = 0; jj < 16; ++jj) acc[jj] = partial_dot<CH>(qv, k + (j + jj) * kv_stride);
-    store16(row + j, sum16x16(acc) * scale);
+  for (; j + kLanes <= hi; j += kLanes) {
+    F acc[kLanes];
+#pragma GCC unroll 16
+    for (int jj = 0; jj < kLanes; ++jj) acc[jj] = partial_dot<CH>(qv, k + (j + jj) * kv_stride);
+    store_lanes(row + j, sum_lanes_tree(acc) * scale);
   }
-  for (; j < hi; ++j) row[j] = hsum16(partial_dot<CH>(qv, k + j * kv_stride)) * scale;
+  for (; j < hi; ++j) row[j] = hsum_lanes(partial_dot<CH>(qv, k + j * kv_stride)) * scale;
 }
 
-// Scores of two query rows for keys [j0, j1) (a multiple of 16 keys): 8 keys of each row per
-// reduction tree, so each key is loaded once for both rows. Same bits as score_row's groups.
+// Whether two query rows' vectors fit in registers beside a tree's inputs, so that score_pairs
+// pays: each key then loads once for both rows (16-lane: every head size; 8-lane: head_dim <= 32).
+template <int CH>
+constexpr bool kPairs = 2 * CH <= (kLanes == 16 ? 16 : 4);
+
+// Scores of two query rows for keys [j0, j1) (a multiple of kLanes keys): kLanes / 2 keys of
+// each row per reduction tree, so each key is loaded once for both rows. Same bits as
+// score_row's groups.
 template <int CH>
 void score_pairs(const float* qa, const float* qb, const float* k, int64_t kv_stride, int64_t j0,
                  int64_t j1, float scale, float* row_a, float* row_b) {
-  f32x16 qva[CH], qvb[CH];
+  constexpr int kHalf = kLanes / 2;
+  F qva[CH], qvb[CH];
   for (int c = 0; c < CH; ++c) {
-    qva[c] = load16(qa + 16 * c);
-    qvb[c] = load16(qb + 16 * c);
+    qva[c] = load_lanes<F>(qa + kLanes * c);
+    qvb[c] = load_lanes<F>(qb + kLanes * c);
   }
-  for (int64_t j = j0; j < j1; j += 8) {
-    f32x16 acc[16];
-    for (int jj = 0; jj < 8; ++jj) {
+  for (int64_t j = j0; j < j1; j += kHalf) {
+    F acc[kLanes];
+    for (int jj = 0; jj < kHalf; ++jj) {
       const float* kj = k + (j + jj) * kv_stride;
       acc[jj] = partial_dot<CH>(qva, kj);
-      acc[8 + jj] = partial_dot<CH>(qvb, kj);
+      acc[kHalf + jj] = partial_dot<CH>(qvb, kj);
     }
-    const f32x16 both = sum16x16(acc) * scale;  // lanes 0-7: row a's keys, 8-15: row b's
-    std::memcpy(row_a + j, &both, 8 * sizeof(float));
-    std::memcpy(row_b + j, reinterpret_cast<const float*>(&both) + 8, 8 * sizeof(float));
+    const F both = sum_lanes_tree(acc) * scale;  // first half of the lanes: row a's keys
+    std::memcpy(row_a + j, &both, kHalf * sizeof(float));
+    std::memcpy(row_b + j, reinterpret_cast<const float*>(&both) + kHalf, kHalf * sizeof(float));
   }
 }
 
 constexpr int64_t kKeyChunk = 64;  // keys whose K rows stay in L1 while every query row passes
 constexpr int64_t kRowBlock = 64;  // query rows of a run attended by one task (whole prompts)
 
-// out[r] = sum_t p[r, t] v_t * inv_sum[r] for ROWS rows; row r sees keys [0, first_keys + r)
-// (its probabilities past that are 0, so the pass runs to the last row's keys).
-template <int CH, int ROWS>
+// Columns [col0, col0 + G * kLanes) of out[r] = sum_t p[r, t] v_t * inv_sum[r] for ROWS rows;
+// row r sees keys [0, first_keys + r) (its probabilities past that are 0, so the pass runs to
+// the last row's keys). Each output is one multiply-add chain over t in order, whatever ROWS
+// and G.
+template <int G, int ROWS>
 void weighted_values_rows(const float* p, int64_t ld, const float* inv_sums, int64_t first_keys,
                           const float* v, int64_t kv_stride, float* out, int64_t out_stride) {
-  f32x16 acc[ROWS][CH];
+  F acc[ROWS][G];
+#pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < CH; ++c) acc[r][c] = f32x16{};
+#pragma GCC unroll 16
+    for (int c = 0; c < G; ++c) acc[r][c] = F{};
   const int64_t keys = first_keys + ROWS - 1;
   for (int64_t t = 0; t < keys; ++t) {
     const float* vt = v + t * kv_stride;
-    f32x16 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
+    F vv[G];
+#pragma GCC unroll 16
+    for (int c = 0; c < G; ++c) vv[c] = load_lanes<F>(vt + kLanes * c);
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const float pr = p[r * ld + t];
-      for (int c = 0; c < CH; ++c) acc[r][c] += pr * vv[c];
+#pragma GCC unroll 16
+      for (int c = 0; c < G; ++c) acc[r][c] += pr * vv[c];
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < CH; ++c) store16(out + r * out_stride + 16 * c, acc[r][c] * inv_sums[r]);
+    for (int c = 0; c < G; ++c)
+      store_lanes(out + r * out_stride + kLanes * c, acc[r][c] * inv_sums[r]);
 }
 
-template <int CH, int MAX_ROWS>
+template <int G, int MAX_ROWS>
 void weighted_values(int rows, const float* p, int64_t ld, const float* inv_sums,
                      int64_t first_keys, const float* v, int64_t kv_stride, float* out,
                      int64_t out_stride) {
   if constexpr (MAX_ROWS > 1) {
     if (rows < MAX_ROWS)
-      return weighted_values<CH, MAX_ROWS - 1>(rows, p, ld, inv_sums, first_keys, v, kv_stride,
-                                               out, out_stride);
+      return weighted_values<G, MAX_ROWS - 1>(rows, p, ld, inv_sums, first_keys, v, kv_stride,
+                                              out, out_stride);
   }
-  weighted_values_rows<CH, MAX_ROWS>(p, ld, inv_sums, first_keys, v, kv_stride, out, out_stride);
+  weighted_values_rows<G, MAX_ROWS>(p, ld, inv_sums, first_keys, v, kv_stride, out, out_stride);
 }
 
 // One (sequence, query head): rows [0, q_len) of q against the keys/values of its KV head.
-// CH = head_dim / 16. Keys are visited in chunks that stay in L1 for all query rows, and the
-// weighted sum of values keeps up to R rows' accumulators in registers while V streams once:
-// re-reading K and V from L2 for every query row made the first version memory-bound.
+// CH = head_dim / kLanes. Keys are visited in chunks that stay in L1 for all query rows, and the
+// weighted sum of values keeps R rows x G vectors of accumulators in registers while V streams
+// (once per G vectors of columns): re-reading K and V from L2 for every query row made the
+// first version memory-bound.
 template <int CH>
 void attend_head(const float* q, int64_t q_stride, int64_t q_len, const float* k, const float* v,
                  int64_t kv_stride, int64_t seq_len, float scale, float* out,
                  int64_t out_stride, std::vector<float>& buffer) {
-  constexpr int R = CH >= 8 ? 3 : (CH >= 4 ? 6 : 8);  // rows per value pass: R * CH <= 24 registers
+  constexpr int G = CH < (kLanes == 16 ? 8 : 4) ? CH : (kLanes == 16 ? 8 : 4);  // vectors a pass
+  constexpr int R = kAccRegs / G < 8 ? kAccRegs / G : 8;  // rows a pass
   const int64_t first_keys = seq_len - q_len + 1;  // keys seen by the run's first query
-  const int64_t ld = ((seq_len + 15) / 16) * 16;  // scores row stride
+  const int64_t ld = ((seq_len + kLanes - 1) / kLanes) * kLanes;  // scores row stride
   buffer.resize(static_cast<size_t>(q_len * ld + q_len));
   float* scores = buffer.data();  // [q_len, ld]: scores, then probabilities (0 past a row's keys)
   float* inv_sums = scores + q_len * ld;  // [q_len]
-  // 1. scores. Row i takes the keys of [c0, its limit) in groups of 16 (one reduction tree)
+  // 1. scores. Row i takes the keys of [c0, its limit) in groups of kLanes (one reduction tree)
   // and the rest one by one (a lane sum); which keys go which way depends on the row's own
-  // position alone. Rows go in pairs while both are in groups: 8 keys of each share a tree and
-  // each key's loads serve both rows. Same bits (a key's partial sums and its tree do not
-  // depend on the vectors beside it); a SmolLM2 layer's attention of 2-9 rows to 251-500 keys
-  // took 16-21 % less time on the 2-core Ice Lake Xeon (session 37), 1 row unchanged.
+  // position alone. Where two rows' query vectors fit in registers (kPairs), rows go in pairs
+  // while both are in groups: half a group of each shares a tree and each key's loads serve
+  // both rows. Same bits (a key's partial sums and its tree do not depend on the vectors beside
+  // it); a SmolLM2 layer's attention of 2-9 rows to 251-500 keys took 16-21 % less time on the
+  // 2-core Ice Lake Xeon (session 37), 1 row unchanged.
   for (int64_t c0 = 0; c0 < seq_len; c0 += kKeyChunk) {
     const int64_t c1 = std::min(seq_len, c0 + kKeyChunk);
     for (int64_t i = 0; i < q_len; i += 2) {
       const bool pair = i + 1 < q_len;
       const int64_t hi_a = std::max(c0, std::min(c1, first_keys + i));
       const int64_t hi_b = pair ? std::max(c0, std::min(c1, first_keys + i + 1)) : c0;
-      // row a's grouped keys (a multiple of 16 past c0): row b, one key further, has them too
-      const int64_t both = pair ? c0 + (hi_a - c0) / 16 * 16 : c0;
+      // row a's grouped keys (a multiple of kLanes past c0): row b, one key further, has them
+      const int64_t both = pair && kPairs<CH> ? c0 + (hi_a - c0) / kLanes * kLanes : c0;
       if (both > c0) score_pairs<CH>(q + i * q_stride, q + (i + 1) * q_stride, k, kv_stride,
                                       c0, both, scale, scores + i * ld, scores + (i + 1) * ld);
       score_row<CH>(q + i * q_stride, k, kv_stride, both, hi_a, scale, scores + i * ld);
@@ -201,21 +250,23 @@ void attend_head(const float* q, int64_t q_stride, int64_t q_len, const float* k
     const int64_t keys = first_keys + i;
     float m = row_max(row, keys);
     for (int64_t j = keys; j < ld; ++j) row[j] = -INFINITY;
-    f32x16 total = f32x16{};
-    for (int64_t j = 0; j < ld; j += 16) {
-      const f32x16 x = load16(row + j) - m;
-      f32x16 p = exp16(x);
-      p = x == -INFINITY ? f32x16{} : p;  // masked keys: exactly 0
-      store16(row + j, p);
+    F total = F{};
+    for (int64_t j = 0; j < ld; j += kLanes) {
+      const F x = load_lanes<F>(row + j) - m;
+      F p = exp_lanes<F, I>(x);
+      p = x == -INFINITY ? F{} : p;  // masked keys: exactly 0
+      store_lanes(row + j, p);
       total += p;
     }
-    inv_sums[i] = 1.0f / hsum16(total);
+    inv_sums[i] = 1.0f / hsum_lanes(total);
   }
-  // 3. out = probabilities @ values, up to R rows per pass over V
+  // 3. out = probabilities @ values, up to R rows and G vectors of columns per pass over V
   for (int64_t r0 = 0; r0 < q_len; r0 += R) {
     const int rows = static_cast<int>(std::min<int64_t>(R, q_len - r0));
-    weighted_values<CH, R>(rows, scores + r0 * ld, ld, inv_sums + r0, first_keys + r0, v,
-                           kv_stride, out + r0 * out_stride, out_stride);
+    for (int c0 = 0; c0 < CH; c0 += G)
+      weighted_values<G, R>(rows, scores + r0 * ld, ld, inv_sums + r0, first_keys + r0,
+                            v + kLanes * c0, kv_stride, out + r0 * out_stride + kLanes * c0,
+                            out_stride);
   }
 }
 
@@ -223,11 +274,13 @@ using HeadFn = void (*)(const float*, int64_t, int64_t, const float*, const floa
                         int64_t, float, float*, int64_t, std::vector<float>&);
 
 HeadFn head_fn(int64_t head_dim) {
-  switch (head_dim / 16) {
+  if (head_dim % kLanes != 0) return nullptr;
+  switch (head_dim / kLanes) {
     case 1: return attend_head<1>;
     case 2: return attend_head<2>;
     case 4: return attend_head<4>;
     case 8: return attend_head<8>;
+    case 16: return attend_head<16>;
     default: return nullptr;
   }
 }
@@ -246,8 +299,8 @@ torch::Tensor run_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_seqs = k.size(0), kv_heads = k.size(1), max_k = k.size(2);
   const HeadFn fn = head_fn(head_dim);
-  TORCH_CHECK(k.size(3) == head_dim && head_dim % 16 == 0 && fn != nullptr,
-              "head_dim must be 16, 32, 64 or 128 (a multiple of 16)");
+  TORCH_CHECK(k.size(3) == head_dim && fn != nullptr && head_dim >= 16 && head_dim <= 128,
+              "head_dim must be 16, 32, 64 or 128");
   TORCH_CHECK(num_heads % kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(query_start.scalar_type() == torch::kInt64 && query_start.numel() == num_seqs + 1 &&
                   seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == num_seqs &&

@@ -55,12 +55,37 @@ typedef f32x16 f32xN;
 typedef i32x16 i32xN;
 #endif
 
+// The sum of v's 8 lanes, in a fixed order.
+inline float hsum8(f32x8 v) {
+#if defined(__AVX__)
+  const __m256 a = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// The sum of a vector's lanes in either width (a fixed order per width).
+inline float hsum_lanes(f32x8 v) { return hsum8(v); }
+inline float hsum_lanes(f32x16 v) { return hsum16(v); }
+
 // A vector F of floats from p (unaligned).
 template <typename F>
 inline F load_lanes(const float* p) {
   F v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// ... and to p.
+template <typename F>
+inline void store_lanes(float* p, F v) {
+  std::memcpy(p, &v, sizeof(v));
 }
 
 // exp(x) for x <= 0 (attention's scores minus their max, silu's exp(-|g|)), lane by lane in a

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -151,48 +152,49 @@ static inline void tile16(const float* x, int64_t ldx, const uint8_t* w, int64_t
 // ~0.5 GB/s of weights on a 2-core AMD EPYC (Zen 3), 120 ms a step where the same bytes
 // copy in ~3 ms. These tiles hold a block as four native 8-lane quarters instead.
 
-// The sum of v's 8 lanes, in a fixed order.
-static inline float hsum8(f32x8 v) {
-  const __m256 a = reinterpret_cast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// A block's 32 float32 values as quarters q[0..3] (elements 8i..8i+7), the same values as the
-// 16-lane decoders give.
+// A block's 32 float32 values in quarters (elements 8i..8i+7), decoded one quarter at a time
+// (the same values as the 16-lane decoders give): scales() reads the block's float16 scale
+// (and minimum), quarter() one quarter's codes. A quarter needs two registers besides the
+// scales, so a tile of many rows keeps all its accumulators in registers.
 struct Q41x8 {
   static constexpr int kBytes = 20;
-  static inline void decode(const uint8_t* block, f32x8* q) {
+  struct Scales {
+    __m256 d, m;
+  };
+  static inline Scales scales(const uint8_t* block) {
     uint32_t dm;
     std::memcpy(&dm, block, 4);
     const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
-    const __m256 d = _mm256_broadcastss_ps(dmf);
-    const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dmf));
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, nibble);  // elements 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);  // elements 16..31
-    const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
-    for (int i = 0; i < 4; ++i)  // one FMA: the exact d * q plus m, rounded once
-      q[i] = reinterpret_cast<f32x8>(
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, m));
+    return {_mm256_broadcastss_ps(dmf), _mm256_broadcastss_ps(_mm_movehdup_ps(dmf))};
+  }
+  // Quarters 0-1: the low nibbles of bytes 0-7 / 8-15; quarters 2-3: their high nibbles.
+  static inline f32x8 quarter(const uint8_t* block, const Scales& s, int i) {
+    __m128i bytes;
+    std::memcpy(&bytes, block + 4 + 8 * (i & 1), 8);
+    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+    const __m256i codes = i < 2 ? _mm256_and_si256(wide, _mm256_set1_epi32(15))
+                                : _mm256_srli_epi32(wide, 4);
+    // one FMA: the exact d * q plus m, rounded once
+    return reinterpret_cast<f32x8>(_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), s.d, s.m));
   }
 };
 
 struct Q80x8 {
   static constexpr int kBytes = 34;
-  static inline void decode(const uint8_t* block, f32x8* q) {
+  struct Scales {
+    __m256 d;
+  };
+  static inline Scales scales(const uint8_t* block) {
     uint16_t dh;
     std::memcpy(&dh, block, 2);
-    const __m256 d = _mm256_set1_ps(half_to_float(dh));
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-    const __m128i parts[4] = {a, _mm_unpackhi_epi64(a, a), b, _mm_unpackhi_epi64(b, b)};
-    for (int i = 0; i < 4; ++i)  // exact: 11 x 8 bits
-      q[i] = reinterpret_cast<f32x8>(
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), d));
+    return {_mm256_set1_ps(half_to_float(dh))};
+  }
+  static inline f32x8 quarter(const uint8_t* block, const Scales& s, int i) {
+    __m128i bytes;
+    std::memcpy(&bytes, block + 2 + 8 * i, 8);
+    // exact: 11 x 8 bits
+    return reinterpret_cast<f32x8>(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s.d));
   }
 };
 
@@ -200,33 +202,51 @@ template <typename Format> struct Narrow;
 template <> struct Narrow<Q41> { using type = Q41x8; };
 template <> struct Narrow<Q80> { using type = Q80x8; };
 
-// As tile above, in quarters: with 1-2 rows of x each quarter has its own accumulator (four
-// FMA chains per row, summed (q0 + q1) + (q2 + q3) at the end); from 3 rows on one
-// accumulator per (row, column) takes the four quarters in order, enough chains across rows.
-// The rule depends on Rows alone (the bits of an output depend only on whether its tile
-// holds more than 2 rows).
+// As tile16, in quarters: with 1-2 rows of x each quarter has its own accumulator (four FMA
+// chains per row, summed (q0 + q1) + (q2 + q3) at the end); from 3 rows on one accumulator per
+// (row, column) takes the four quarters in order, enough chains across rows. The rule depends
+// on Rows alone (the bits of an output depend only on whether its tile holds more than 2 rows).
+// The loops are unrolled by force: left to itself GCC kept the 5-11-row tiles' accumulators on
+// the stack and looped over the rows (session 43, Zen 3: ~50 % of the FMA peak at 11 rows).
+// x comes packed by pack_rows: block g of row r at x + (g * Rows + r) * 32, so that every
+// load of x is one pointer plus a constant (11 row pointers left GCC too few registers).
 template <typename Format, int Rows, int Cols>
-static inline void tile8(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+static inline void tile8(const float* x, int64_t, const uint8_t* w, int64_t row_bytes,
                          int64_t blocks, float* y, int64_t ldy) {
   using Quarters = typename Narrow<Format>::type;
   constexpr int kChains = Rows <= 2 ? 4 : 1;
   f32x8 acc[kChains][Rows][Cols];
+#pragma GCC unroll 4
   for (int h = 0; h < kChains; ++h)
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
       for (int c = 0; c < Cols; ++c) acc[h][r][c] = f32x8{};
   for (int64_t g = 0; g < blocks; ++g) {
-    for (int c = 0; c < Cols; ++c)  // (see tile above)
+#pragma GCC unroll 8
+    for (int c = 0; c < Cols; ++c)  // (see tile16)
       __builtin_prefetch(w + c * row_bytes + (g + kPrefetchBlocks) * Format::kBytes);
-    f32x8 q[Cols][4];
-    for (int c = 0; c < Cols; ++c) Quarters::decode(w + c * row_bytes + g * Format::kBytes, q[c]);
-    const float* xg = x + g * kBlock;
-    for (int r = 0; r < Rows; ++r)
-      for (int i = 0; i < 4; ++i) {
-        const f32x8 xv = load_lanes<f32x8>(xg + r * ldx + 8 * i);
-        for (int c = 0; c < Cols; ++c) acc[kChains == 4 ? i : 0][r][c] += xv * q[c][i];
+    typename Quarters::Scales s[Cols];
+#pragma GCC unroll 8
+    for (int c = 0; c < Cols; ++c) s[c] = Quarters::scales(w + c * row_bytes + g * Format::kBytes);
+    const float* xg = x + g * Rows * kBlock;
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      f32x8 q[Cols];
+#pragma GCC unroll 8
+      for (int c = 0; c < Cols; ++c)
+        q[c] = Quarters::quarter(w + c * row_bytes + g * Format::kBytes, s[c], i);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const f32x8 xv = load_lanes<f32x8>(xg + r * kBlock + 8 * i);
+#pragma GCC unroll 8
+        for (int c = 0; c < Cols; ++c) acc[kChains == 4 ? i : 0][r][c] += xv * q[c];
       }
+    }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < Cols; ++c)
       y[r * ldy + c] = hsum8(kChains == 4 ? (acc[0][r][c] + acc[1][r][c]) +
                                                 (acc[2][r][c] + acc[3][r][c])
@@ -264,12 +284,14 @@ static void rows_block(const float* x, int64_t k, const uint8_t* w, int64_t row_
 // vector registers, leaving room for the decoded blocks, the rows of x and the decode's
 // constants. The columns never change an output's bits (see tile's kSplit).
 #if SPECSERVE_NARROW
-// 8-lane tiles (tile8), 16 vector registers: one weight row at a time except for 3 rows of x
-// (6 accumulators and two decoded blocks); up to 11 rows is 11 accumulators, a block's four
-// quarters and a row of x. On the 2-core Zen 3 (session 42, SmolLM2's shapes, weights from
-// DRAM) 8 and 10 rows a tile ran within the noise (~10 %) of 11 up to 22 rows, and 11 was the
+// 8-lane tiles (tile8), 16 vector registers, a block decoded a quarter at a time: two weight
+// rows for 3-4 rows of x (8 accumulators, two quarters and their scales), one otherwise; up to
+// 11 rows is 11 accumulators, a quarter and its scales. On the 2-core Zen 3 (session 43,
+// SmolLM2's shapes, weights from DRAM, 7 interleaved rounds) two columns ran 1 and 5 rows
+// 6-18 % slower, 4 rows 3 % faster (head 16 %), 2, 3 and 6 rows within the noise; in session
+// 42, 8 and 10 rows a tile ran within the noise (~10 %) of 11 up to 22 rows, and 11 was the
 // fastest at 32.
-constexpr int kColsFor[kWideTile + 1] = {0, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1};
+constexpr int kColsFor[kWideTile + 1] = {0, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1, 1};
 #else
 constexpr int kColsFor[kWideTile + 1] = {0, 1, 1, 4, 3, 2, 2, 2, 2, 2, 2, 2};
 #endif
@@ -305,6 +327,15 @@ static inline int rows_per_tile(int64_t m) {
   return static_cast<int>((m + tiles - 1) / tiles);
 }
 
+#if SPECSERVE_NARROW
+// rows rows of x [rows, k] -> [k / 32 blocks][rows][32]: the layout tile8 reads.
+static void pack_rows(const float* x, int64_t k, int64_t rows, float* out) {
+  for (int64_t g = 0; g < k / kBlock; ++g)
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + (g * rows + r) * kBlock, x + r * k + g * kBlock, kBlock * sizeof(float));
+}
+#endif
+
 template <typename Format>
 static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
@@ -323,12 +354,21 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w
   // Each thread takes a contiguous range of output features (weight rows) and all rows of x.
   // A panel of kPanel weight rows stays in cache while every tile of x's rows passes over it.
   const int tile_rows = rows_per_tile(m);
+#if SPECSERVE_NARROW
+  // tile8 reads each tile's rows of x packed block-major (see pack_rows)
+  std::vector<float> packed(static_cast<size_t>(m * k));
+  for (int64_t r0 = 0; r0 < m; r0 += tile_rows)
+    pack_rows(xp + r0 * k, k, std::min<int64_t>(tile_rows, m - r0), packed.data() + r0 * k);
+  const float* xt = packed.data();
+#else
+  const float* xt = xp;
+#endif
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += kPanel) {
       const int64_t p1 = std::min(end, p0 + kPanel);
       for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m - r0));
-        rows_dispatch<Format>(rows, xp + r0 * k, k, wp, row_bytes, blocks, yp + r0 * n, n, p0, p1);
+        rows_dispatch<Format>(rows, xt + r0 * k, k, wp, row_bytes, blocks, yp + r0 * n, n, p0, p1);
       }
     }
   });
