@@ -27,6 +27,7 @@ from specserve.spec_decode.adaptive import (
 from specserve.spec_decode.batch_cap import (
     CAP_EXPIRY,
     FRUITFUL_TOKENS,
+    LEARNING_SEQUENCES,
     MAX_UNLEARNED_BATCHES,
     TRIES_PER_CAP,
     CapCosts,
@@ -759,8 +760,8 @@ def test_closed_batches_back_off_from_learning_that_does_not_pay():
         batch = list(range(next(first_ids), 0, -1))[:32]
         young_cap = False
         for generated in (*range(1, CLOSED_EXPLORE_TOKENS + 1), 12, FRUITFUL_TOKENS):
-            policy.plan(batch, [4] * 32, plan_first=True, closed=True,
-                        remaining=[128 - generated] * 32, generated=[generated] * 32)
+            ks = policy.plan(batch, [4] * 32, plan_first=True, closed=True,
+                             remaining=[128 - generated] * 32, generated=[generated] * 32)
             if generated == 1:  # a batch that skips learning is settled from its start
                 assert policy.settled_plain == (policy.learning.learning is False
                                                 and policy.last_cap == 0)
@@ -771,10 +772,10 @@ def test_closed_batches_back_off_from_learning_that_does_not_pay():
             if policy.last_cap:
                 policy.caps.observe(policy.costs.step, 32, policy.last_cap, seconds, PLAIN_SECONDS)
             last_spec[0] = policy.last_cap > 0
-            if policy.last_cap:
-                for seq_id in batch:  # the accepted prefix of last_cap proposals
-                    hits = rng.random(policy.last_cap) < acceptance
-                    policy.record(seq_id, policy.last_cap, int(np.cumprod(hits).sum()))
+            for seq_id, k in zip(batch, ks, strict=True):  # the accepted prefix of k proposals
+                if k:
+                    hits = rng.random(k) < acceptance
+                    policy.record(seq_id, k, int(np.cumprod(hits).sum()))
         return young_cap, policy.last_cap
 
     learned = [closed_batch(0.3) for _ in range(7)]
@@ -851,16 +852,18 @@ def test_a_batch_that_speculates_without_learning_is_judged_like_a_learning_one(
 
 
 def test_a_learning_step_gives_the_batch_its_own_mean_rate():
-    """After a closed batch's learning step every sequence's first-proposal rate is the
-    batch's mean outcome: one verification would move it only EMA_WEIGHT of the way from the
-    previous batches' rate."""
+    """A closed batch's learning step verifies the first proposals of LEARNING_SEQUENCES of its
+    sequences, and then every sequence's first-proposal rate is their mean outcome: one
+    verification would move it only EMA_WEIGHT of the way from the previous batches' rate."""
     policy, _ = _draft_policy(0.5, lambda cap: 1.12 + 0.24 * cap)
     policy.global_acceptance[:] = [0.3, 0.3]
     batch = list(range(100, 132))
     closed = dict(plan_first=True, closed=True, remaining=[127] * 32, generated=[1] * 32)
-    policy.plan(batch, [4] * 32, **closed)
+    ks = policy.plan(batch, [4] * 32, **closed)
     assert policy.last_cap == 1 and policy.learning.pending
-    for seq_id in batch:  # 24 of 32 first proposals accepted
+    # only the batch's first LEARNING_SEQUENCES propose: the draft prefills just their prompts
+    assert ks == [1] * LEARNING_SEQUENCES + [0] * (32 - LEARNING_SEQUENCES)
+    for seq_id in batch[:LEARNING_SEQUENCES]:  # 6 of 8 first proposals accepted
         policy.record(seq_id, 1, int(seq_id % 4 != 0))
     policy.plan(batch, [4] * 32, **closed)
     assert {policy.acceptance[s][0] for s in batch} == {0.75}

@@ -54,6 +54,7 @@ TRIES_PER_CAP = 2  # measured steps before a neighbour of the best cap is judged
 MAX_BORROW_BUCKETS = 8  # a bucket borrows measurements from at most this many buckets up
 MAX_UNLEARNED_BATCHES = 3  # new closed batches in a row that may skip learning (see below)
 FRUITFUL_TOKENS = 48  # a learning batch still speculating this far in has learned something
+LEARNING_SEQUENCES = 8  # sequences of a new closed batch whose first proposal its learning tries
 
 
 @functools.cache
@@ -113,6 +114,7 @@ class LearningBackoff:
     learning: bool = False  # ... which learns
     pending: bool = False  # ... and has not settled yet
     pooled: bool = False  # ... and its sequences were given the batch's learned rate
+    learners: set[int] = field(default_factory=set)  # ... and the sequences its step verified
 
     def learns(self, seq_ids: list[int]) -> bool:
         """Whether the young closed batch of these (unverified) sequences may learn."""
@@ -122,6 +124,7 @@ class LearningBackoff:
             self.skip_left = max(self.skip_left - 1, 0)
             self.pending = self.learning
             self.pooled = False
+            self.learners = set()
         return self.learning
 
     def settled(self, cap: int, generated: float) -> None:
@@ -154,6 +157,7 @@ class CapCosts:
     # [(step, seconds per token)] of the draft's catch-up forwards (its prefill, or catching up
     # on steps it sat out): what turning speculation on costs, per token it has to feed
     catch_up: list[tuple[int, float]] = field(default_factory=list)
+    learning_step: bool = False  # whether choose's last cap was a learning step's
 
     def observe_catch_up(self, step: int, tokens: int, extra_seconds: float) -> None:
         """A decode step whose draft caught up on `tokens` tokens took extra_seconds more than
@@ -246,6 +250,7 @@ class CapCosts:
             return s / SWITCH_MARGIN if (c > 0) != (current > 0) else s
 
         best = max(speedups, key=score)
+        self.learning_step = False
         if best == 0 and learn and current == 0:
             # The cheapest step that verifies every sequence's first proposal. A measurement,
             # not a switch: speculation stays off (current), so turning it on after this step
@@ -253,6 +258,7 @@ class CapCosts:
             # at break-even stayed on: at acceptance 0.5 on the H200, batch 32, cap 1 priced
             # at 0.99-1.0x kept running, caps 2-4 were explored, and those batches ran
             # 0.82-0.96x plain decoding.)
+            self.learning_step = True
             return 1
         choice = (self._explore(step, batch_size, best, expected)
                   if best or explore_from_plain else 0)
