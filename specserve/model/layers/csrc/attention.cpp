@@ -43,6 +43,14 @@ constexpr int kLanes = sizeof(F) / sizeof(float);
 // Vector registers for a pass's accumulators (of 32 with AVX-512, of 16 otherwise).
 constexpr int kAccRegs = kLanes == 16 ? 24 : 12;
 
+// out[j] = sum of v[j]'s lanes, one reduction each: the builds without the vector trees below.
+template <typename V>
+inline V sum_lanes_each(const V* v) {
+  V out;
+  for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) out[j] = hsum_lanes(v[j]);
+  return out;
+}
+
 // The lane sums of v[0..kLanes) as one vector: out[j] = sum of v[j]'s lanes. A transpose-and-add
 // tree, ~3 shuffles and adds per input where a separate reduction of each costs ~8. Each
 // input's lanes are summed in the same pattern whatever its position.
@@ -64,9 +72,7 @@ inline f32x16 sum_lanes_tree(const f32x16* v) {
                                    _mm512_shuffle_f32x4(z01, z23, 0xDD));
   return reinterpret_cast<f32x16>(out);
 #else
-  f32x16 out;
-  for (int j = 0; j < 16; ++j) out[j] = hsum16(v[j]);
-  return out;
+  return sum_lanes_each(v);
 #endif
 }
 
@@ -82,9 +88,7 @@ inline f32x8 sum_lanes_tree(const f32x8* v) {
                                    _mm256_permute2f128_ps(g0, g1, 0x31));
   return reinterpret_cast<f32x8>(out);
 #else
-  f32x8 out;
-  for (int j = 0; j < 8; ++j) out[j] = hsum8(v[j]);
-  return out;
+  return sum_lanes_each(v);
 #endif
 }
 

@@ -355,11 +355,11 @@ static torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& w
   // A panel of kPanel weight rows stays in cache while every tile of x's rows passes over it.
   const int tile_rows = rows_per_tile(m);
 #if SPECSERVE_NARROW
-  // tile8 reads each tile's rows of x packed block-major (see pack_rows)
-  std::vector<float> packed(static_cast<size_t>(m * k));
-  for (int64_t r0 = 0; r0 < m; r0 += tile_rows)
+  // tile8 reads each tile's rows of x packed block-major (see pack_rows); one row already is
+  std::vector<float> packed(tile_rows > 1 ? static_cast<size_t>(m * k) : 0);
+  for (int64_t r0 = 0; tile_rows > 1 && r0 < m; r0 += tile_rows)
     pack_rows(xp + r0 * k, k, std::min<int64_t>(tile_rows, m - r0), packed.data() + r0 * k);
-  const float* xt = packed.data();
+  const float* xt = tile_rows > 1 ? packed.data() : xp;
 #else
   const float* xt = xp;
 #endif
