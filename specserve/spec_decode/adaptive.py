@@ -600,14 +600,12 @@ class AdaptiveSpeculation:
         # plain step on the H200 at batch 32, and each learning batch ran 0.96-0.97x plain
         # decoding (session 42). If the batch then speculates, the draft catches up on the
         # others' prompts then, a cost the caps are priced with (lag).
-        learning_step = not skipped and self.caps.learning_step
-        learners = unpinned[:LEARNING_SEQUENCES] if learning_step else unpinned
-        if learning_step:
-            self.learning.learners = {seq_ids[i] for i in learners}
-        for i, k in zip(unpinned, own.tolist(), strict=True):
+        proposing = len(unpinned)
+        if not skipped and self.caps.learning_step:
+            proposing = min(LEARNING_SEQUENCES, proposing)
+            self.learning.learners = {seq_ids[i] for i in unpinned[:proposing]}
+        for i, k in zip(unpinned[:proposing], own.tolist()[:proposing], strict=True):
             ks[i] = min(cap, k)
-        for i in set(unpinned) - set(learners):
-            ks[i] = 0
 
     def _charge_catch_up(self, n: int, expected: np.ndarray, lag: int,
                          longest: int) -> np.ndarray:

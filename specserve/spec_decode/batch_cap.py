@@ -93,8 +93,8 @@ def batch_bucket(batch_size: int) -> int:
 @dataclass
 class LearningBackoff:
     """Whether a new closed batch spends a step learning its own acceptance (CapCosts.choose's
-    learn: one cap-1 step in which the draft prefills every prompt) when the engine's past says
-    plain decoding.
+    learn: one cap-1 step in which the draft prefills the prompts of the sequences that propose,
+    LEARNING_SEQUENCES of them since session 43) when the engine's past says plain decoding.
 
     Why a backoff: on a steady workload whose acceptance does not pay, every batch paid for
     learning what the last one had learned. At batch 32 on the H200 at acceptance 0.5 the
@@ -252,9 +252,9 @@ class CapCosts:
         best = max(speedups, key=score)
         self.learning_step = False
         if best == 0 and learn and current == 0:
-            # The cheapest step that verifies every sequence's first proposal. A measurement,
-            # not a switch: speculation stays off (current), so turning it on after this step
-            # must still win by SWITCH_MARGIN. (When the learning step counted as on, a batch
+            # The cheapest step that verifies first proposals (of LEARNING_SEQUENCES sequences:
+            # AdaptiveSpeculation._cap). A measurement, not a switch: speculation stays off
+            # (current), so turning it on after this step must still win by SWITCH_MARGIN. (When the learning step counted as on, a batch
             # at break-even stayed on: at acceptance 0.5 on the H200, batch 32, cap 1 priced
             # at 0.99-1.0x kept running, caps 2-4 were explored, and those batches ran
             # 0.82-0.96x plain decoding.)
