@@ -964,6 +964,28 @@ def test_unmeasured_proposals_cost_what_a_plain_row_does(monkeypatch):
     assert sum(policy.plan(batch, [1] * 8 + [0] * 24)) == 8  # priced as free, they were bet
 
 
+def test_unmeasured_proposals_fall_back_on_a_chord_from_a_smaller_batch():
+    """With no batch size near it measured (a closed batch of 32 runs at one size until its
+    end), or a local slope that noise flattened, a proposal costs at least the chord from a
+    smaller batch size measured at any time, even one whose samples expired: on the Zen 3
+    CPU a batch of 32 priced its first proposals at nothing and bet 8, then 16 on chat text
+    (1.2 and 1.5 plain steps) (session 44)."""
+    costs = StepCosts()
+    costs.observe(1, 0, 0.012, after_spec=False)  # 10 ms + 2 ms a sequence
+    costs.observe(8, 0, 0.026, after_spec=False)
+    costs.step += PLAIN_EXPIRY + 1  # both expire as samples, not as floors
+    costs.observe(32, 0, 0.074, after_spec=False)
+    assert costs.plain_time(8) is None
+    # the nearest size at or below half of 32: 8
+    assert costs.proposal_prior(32) == pytest.approx(0.048 / 24 / 0.074)
+    assert costs.proposal_prior(4) == 0.0  # nothing at least PRIOR_MIN_SPREAD below
+    # noise made 28 look dearer than 32: the local slope reads 0, the chord still counts
+    costs.observe(28, 0, 0.080, after_spec=False)
+    assert costs.proposal_prior(32) == pytest.approx(0.048 / 24 / 0.074)
+    costs.observe(26, 0, 0.036, after_spec=False)  # a local slope steeper than the chord
+    assert costs.proposal_prior(32) == pytest.approx((0.074 - 0.036) / 6 / 0.074)
+
+
 def test_a_counts_cost_is_the_median_of_its_samples(monkeypatch):
     """A count's cost is the median of its ratio samples, not the fastest. Each sample is one
     step against the typical plain step, so its noise goes both ways, and the fastest of six

@@ -144,6 +144,8 @@ class StepCosts:
     plain: dict[int, _Samples] = field(default_factory=dict)  # B -> seconds
     ratio: dict[tuple[int, int], _Samples] = field(default_factory=dict)  # (bucket, p) -> t/t0
     after: dict[int, _Samples] = field(default_factory=dict)  # bucket -> plain-after-spec / t0
+    # B -> the fastest plain step ever measured there (never expires: proposal_prior's fallback)
+    plain_floor: dict[int, float] = field(default_factory=dict)
     switch_rate: float = 1.0  # how often a speculative step is followed by a plain one
 
     # ---- observations ----------------------------------------------------------------------
@@ -153,6 +155,8 @@ class StepCosts:
         b = batch_bucket(batch_size)
         if num_proposals == 0 and not after_spec:
             self.plain.setdefault(batch_size, _Samples()).add(self.step, seconds)
+            self.plain_floor[batch_size] = min(self.plain_floor.get(batch_size, seconds),
+                                               seconds)
             return
         t0 = self.plain_time(batch_size)
         if t0 is None:
@@ -223,8 +227,12 @@ class StepCosts:
         """What one proposal costs, in plain steps, before a batch's cost curve shows it: what
         one more sequence adds to a plain step here, from the plain steps measured at batch
         sizes within 1.5x of this one (the slope between the smallest and the largest of
-        them), over this batch size's plain step; 0 while fewer than PRIOR_MIN_SPREAD sizes
-        apart are measured.
+        them), over this batch size's plain step, and at least the chord from a smaller
+        batch size measured at any time (plain_floor: the nearest at or below half this size,
+        else the smallest). A step's cost is convex in B (flat while reading the weights
+        dominates, then rising), so that chord errs low and larger counts are still tried
+        and measured; the local slope is steeper unless noise made it so (two sizes a few
+        apart, each a few noisy samples: it read 0 at batch 27 on the Zen 3). 0 with neither.
 
         Why: an unmeasured count was taken to cost what plain decoding does, and every batch
         bucket a shrinking closed batch entered bet up to EXPLORE_MIN proposals on it. On the
@@ -233,17 +241,28 @@ class StepCosts:
         decoding (session 41). A verified row costs at most what a new sequence's row does
         (it reads no other context), so this errs high only where extra query rows are
         cheaper than whole sequences; on a GPU at small batches both are nearly free and the
-        prior says so."""
+        prior says so. The fallback: a closed batch of 32 runs at one size until its end, so
+        nothing near 32 was measured at its start and its proposals were priced at nothing;
+        on the Zen 3 CPU its first steps bet 8, then 16 proposals on chat text (measured 1.2
+        and 1.5 plain steps) and explored again at each batch size of its tail, ~1 % of the
+        run (session 44)."""
+        t0 = self.plain_time(batch_size)
+        if t0 is None:
+            return 0.0
         known = {b: t for b, s in self.plain.items()
                  if max(b, batch_size) <= 1.5 * min(b, batch_size)
                  and (t := s.low(self.step, PLAIN_EXPIRY)) is not None}
-        t0 = self.plain_time(batch_size)
-        if len(known) < 2 or t0 is None:
-            return 0.0
-        lo, hi = min(known), max(known)
-        if hi - lo < PRIOR_MIN_SPREAD:
-            return 0.0
-        return max(known[hi] - known[lo], 0.0) / (hi - lo) / t0
+        local = 0.0
+        if len(known) >= 2 and max(known) - min(known) >= PRIOR_MIN_SPREAD:
+            lo, hi = min(known), max(known)
+            local = max(known[hi] - known[lo], 0.0) / (hi - lo) / t0
+        smaller = [b for b in self.plain_floor if b <= batch_size - PRIOR_MIN_SPREAD]
+        if not smaller:
+            return local
+        halves = [b for b in smaller if 2 * b <= batch_size]
+        lo = max(halves) if halves else min(smaller)
+        chord = max(t0 - self.plain_floor[lo], 0.0) / (batch_size - lo) / t0
+        return max(local, chord)
 
     def ratio_curve(self, batch_size: int) -> list[tuple[float, float]]:
         """Measured (p, t(B, p) / t(B, 0)) points of B's bucket, (0, 1) first."""
