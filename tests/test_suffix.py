@@ -10,8 +10,17 @@ from helpers import tiny_llm
 
 from specserve import LLM, SamplingParams
 from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.spec_decode import suffix_native
 from specserve.spec_decode.spec_config import SpeculativeConfig
-from specserve.spec_decode.suffix import Cursor, OutputCache, SuffixProposer, SuffixTree, _walk
+from specserve.spec_decode.suffix import (
+    Cursor,
+    NativeSuffixTree,
+    OutputCache,
+    SuffixProposer,
+    SuffixTree,
+    _walk,
+    new_tree,
+)
 
 # ---------------------------------------------------------------------------------------------
 # the tree
@@ -169,6 +178,106 @@ def test_speculate_equals_a_scan_of_every_tail(seed):
         context.extend(new)
 
 
+def native_module():
+    module = suffix_native.load()
+    assert module is not None, "the C++ suffix tree did not build (see the log's warning)"
+    return module
+
+
+def python_nodes(tree: SuffixTree) -> int:
+    stack, n = [tree.root], 0
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend(node.children.values())
+    return n
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_native_tree_equals_the_python_tree(seed):
+    """The C++ tree (csrc/suffix_tree.cpp) and SuffixTree, driven by the same random inserts,
+    removals and growing sequences: the same counts, nodes, longest matches and proposals
+    after every operation, with and without cursors. Alphabets of 1-4 tokens force every
+    split, merge, fold and boundary shift, and many equally frequent children, so the choice
+    among those (the oldest child) is compared too."""
+    rng = random.Random(seed)
+    depth = rng.randint(1, 7)
+    vocab = rng.randint(1, 4)
+    ref, native = SuffixTree(depth), NativeSuffixTree(depth, native_module())
+    complete: list[list[int]] = []
+    growing: list[tuple[Cursor, object, list[int]]] = []
+    for _ in range(16):
+        r = rng.random()
+        if r < 0.3:
+            complete.append([rng.randrange(vocab) for _ in range(rng.randint(0, 16))])
+            starts = None if rng.random() < 0.7 else rng.randint(0, len(complete[-1]))
+            ref.insert(complete[-1], starts)
+            native.insert(complete[-1], starts)
+            if starts is not None:  # only for counting: those suffixes start in its head
+                complete[-1] = None
+        elif r < 0.45 and any(c is not None for c in complete):
+            i = rng.choice([i for i, c in enumerate(complete) if c is not None])
+            ref.remove(complete[i])
+            native.remove(complete.pop(i))
+        else:
+            if not growing or rng.random() < 0.3:
+                growing.append((ref.new_cursor(), native.new_cursor(), []))
+            cursor, native_cursor, tokens = rng.choice(growing)
+            new = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+            ref.extend(cursor, new)
+            native.extend(native_cursor, new)
+            tokens.extend(new)
+        assert native.root_count == ref.root.count
+        assert native.num_nodes() == python_nodes(ref)
+        for n in range(1, depth + 2):
+            for _ in range(6):
+                probe = [rng.randrange(vocab + 1) for _ in range(n)]
+                assert native.count(probe) == ref.count(probe), probe
+        k, factor = rng.randint(1, 2 * depth), rng.choice([0.5, 1.0, 4.0])
+        min_prob = rng.choice([0.0, 0.1, 0.5])
+        for _ in range(4):
+            context = [rng.randrange(vocab) for _ in range(rng.randint(0, 2 * depth))]
+            assert native.longest_match(context) == ref.longest_match(context)
+            got = native.speculate(context, k, factor, min_prob)
+            assert got == ref.speculate(context, k, factor, min_prob), context
+        for cursor, native_cursor, tokens in growing:
+            got = native.speculate(tokens, k, factor, min_prob, native_cursor)
+            assert got == ref.speculate(tokens, k, factor, min_prob, cursor)
+    for tokens in complete:  # removal of everything inserted in full leaves only the growing
+        if tokens is not None:
+            ref.remove(tokens)
+            native.remove(tokens)
+    assert native.num_nodes() == python_nodes(ref)
+
+
+def test_the_proposer_uses_the_native_tree_and_proposes_as_the_python_one():
+    """SuffixProposer builds its trees with the C++ tree (new_tree) and proposes what the
+    Python trees do on a whole run of requests, the cache of earlier outputs included."""
+    assert isinstance(new_tree(4), NativeSuffixTree) and native_module() is not None
+    assert isinstance(new_tree(4, native=False), SuffixTree)
+    rng = random.Random(1)
+    proposers = [SuffixProposer(8, 3, 1.0, 0.1, native=native) for native in (True, False)]
+    assert isinstance(proposers[0].cache.tree, NativeSuffixTree)
+    assert isinstance(proposers[1].cache.tree, SuffixTree)
+    proposed = 0
+    for r in range(6):
+        prompt = [rng.randrange(5) for _ in range(rng.randint(1, 20))]
+        seqs = [make_seq(10 * r + i, f"r{r}", prompt, []) for i in range(2)]
+        for _ in range(30):
+            ks = [rng.randint(0, 6) for _ in seqs]
+            outs = [p.propose(seqs, ks) for p in proposers]
+            assert outs[0].token_ids == outs[1].token_ids
+            assert outs[0].match_lengths == outs[1].match_lengths
+            proposed += sum(map(len, outs[0].token_ids))
+            for seq in seqs:
+                seq.token_ids.append(rng.randrange(5))
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+            for p in proposers:
+                p.free(seq)
+    assert proposed > 100
+
+
 def test_walk_follows_the_most_frequent_continuation():
     tree = SuffixTree(max_depth=8)
     for tail in ([7, 8], [7, 8], [7, 8], [5, 6]):
@@ -199,8 +308,9 @@ def test_spec_factor_limits_by_match_length():
     assert cand.token_ids == [2, 3, 4]  # and never past max_tokens
 
 
-def test_output_cache_evicts_oldest_requests():
-    cache = OutputCache(max_depth=4, max_requests=2)
+@pytest.mark.parametrize("native", [False, True])
+def test_output_cache_evicts_oldest_requests(native):
+    cache = OutputCache(max_depth=4, max_requests=2, native=native)
     cache.add("a", 0, [1, 2, 3])
     cache.add("a", 0, [1, 2, 3])  # a second free of the same sequence is ignored
     cache.add("b", 1, [4, 5])
@@ -209,7 +319,10 @@ def test_output_cache_evicts_oldest_requests():
     cache.add("c", 3, [7, 8])
     assert list(cache.entries) == ["b", "c"]
     assert cache.tree.count([1, 2]) == 0 and cache.tree.count([4]) == 2
-    assert_counts_exact(cache.tree, [[4, 5], [4, 6], [7, 8]])
+    if native:
+        assert cache.tree.count([4, 6]) == 1 and cache.tree.root_count == 6
+    else:
+        assert_counts_exact(cache.tree, [[4, 5], [4, 6], [7, 8]])
 
 
 # ---------------------------------------------------------------------------------------------

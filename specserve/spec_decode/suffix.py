@@ -22,6 +22,10 @@ child while the product of the step probabilities stays >= ``min_token_prob``, p
 with the highest score (sum of the path probabilities: the expected number of accepted tokens
 under the counts) wins, the per-request tree on ties. Proposals are point masses (q(x) = 1),
 so sampled requests stay exact.
+
+The proposer's trees are the C++ twin of SuffixTree (csrc/suffix_tree.cpp, through
+NativeSuffixTree) wherever it builds: the same algorithm, proposing the same tokens, without
+an interpreted call per tree step. SuffixTree here is the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from specserve.engine.sequence import Sequence
+from specserve.spec_decode import suffix_native
 from specserve.spec_decode.proposer import DraftProposals, Proposer
 
 _EPS = 1e-6  # floor(m * factor) must not lose a whole token to float rounding (3 * 0.1 * 10)
@@ -72,6 +77,9 @@ class SuffixTree:
         assert max_depth >= 1
         self.max_depth = max_depth
         self.root = _Node([], 0, None)  # root.count: number of suffixes (= tokens) added
+
+    def new_cursor(self) -> Cursor:
+        return Cursor()
 
     # ---- building --------------------------------------------------------------------------
     def extend(self, cursor: Cursor, tokens: list[int]) -> None:
@@ -249,12 +257,59 @@ def _walk(node: _Node, offset: int, max_tokens: int, min_token_prob: float
         node, offset = child, 0
 
 
+class NativeSuffixTree:
+    """SuffixTree's interface over the C++ tree (csrc/suffix_tree.cpp; suffix_native.py says
+    why): the same counts and the same proposals."""
+
+    def __init__(self, max_depth: int, module) -> None:
+        self._module = module
+        self._tree = module.SuffixTree(max_depth)
+        self.max_depth = max_depth
+
+    def new_cursor(self):
+        return self._module.Cursor()
+
+    def extend(self, cursor, tokens: list[int]) -> None:
+        self._tree.extend(cursor, tokens)
+
+    def insert(self, tokens: list[int], num_starts: int | None = None) -> None:
+        self._tree.insert(tokens, -1 if num_starts is None else num_starts)
+
+    def remove(self, tokens: list[int]) -> None:
+        self._tree.remove(tokens)
+
+    def count(self, tokens: list[int]) -> int:
+        return self._tree.count(tokens)
+
+    def longest_match(self, context: list[int]) -> int:
+        return self._tree.longest_match(context)
+
+    def num_nodes(self) -> int:
+        return self._tree.num_nodes()
+
+    @property
+    def root_count(self) -> int:
+        return self._tree.root_count
+
+    def speculate(self, context: list[int], max_tokens: int, max_spec_factor: float,
+                  min_token_prob: float, cursor=None) -> SuffixCandidate:
+        tokens, score, match_len = self._tree.speculate(context, max_tokens, max_spec_factor,
+                                                        min_token_prob, cursor)
+        return SuffixCandidate(tokens, score, match_len)
+
+
+def new_tree(max_depth: int, native: bool = True) -> SuffixTree | NativeSuffixTree:
+    """The C++ tree where it builds (and native), else the Python one."""
+    module = suffix_native.load() if native else None
+    return SuffixTree(max_depth) if module is None else NativeSuffixTree(max_depth, module)
+
+
 class OutputCache:
     """The global tree over finished outputs, holding at most max_requests requests."""
 
-    def __init__(self, max_depth: int, max_requests: int) -> None:
+    def __init__(self, max_depth: int, max_requests: int, native: bool = True) -> None:
         assert max_requests >= 1
-        self.tree = SuffixTree(max_depth)
+        self.tree = new_tree(max_depth, native)
         self.max_requests = max_requests
         # request_id -> {seq_id: output tokens}, oldest request first
         self.entries: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
@@ -276,14 +331,14 @@ class OutputCache:
 
 @dataclass
 class _RequestTree:
-    tree: SuffixTree
+    tree: SuffixTree | NativeSuffixTree
     seq_ids: set[int] = field(default_factory=set)  # registered sequences not yet finished
 
 
 @dataclass
 class _SeqState:
     request: _RequestTree
-    cursor: Cursor
+    cursor: object  # its tree's cursor (Cursor, or the C++ tree's)
     num_added: int  # tokens of seq.token_ids already appended through the cursor
 
 
@@ -291,11 +346,12 @@ class SuffixProposer(Proposer):
     has_probs = False
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
-                 min_token_prob: float) -> None:
+                 min_token_prob: float, native: bool = True) -> None:
         self.max_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self.cache = (OutputCache(max_tree_depth, max_cached_requests)
+        self.native = native  # the C++ trees where they build (new_tree)
+        self.cache = (OutputCache(max_tree_depth, max_cached_requests, native)
                       if max_cached_requests > 0 else None)
         self._requests: dict[str, _RequestTree] = {}
         self._seqs: dict[int, _SeqState] = {}
@@ -351,7 +407,8 @@ class SuffixProposer(Proposer):
         shared = max(0, seq.num_prompt_tokens - self.max_depth + 1)
         request = self._requests.get(seq.request_id)
         if request is None:
-            request = self._requests[seq.request_id] = _RequestTree(SuffixTree(self.max_depth))
+            request = self._requests[seq.request_id] = _RequestTree(
+                new_tree(self.max_depth, self.native))
             request.tree.insert(seq.prompt_token_ids, num_starts=shared)
         request.seq_ids.add(seq.seq_id)
-        return _SeqState(request, Cursor(), shared)
+        return _SeqState(request, request.tree.new_cursor(), shared)
