@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 
@@ -243,6 +244,17 @@ def test_native_tree_equals_the_python_tree(seed):
         for cursor, native_cursor, tokens in growing:
             got = native.speculate(tokens, k, factor, min_prob, native_cursor)
             assert got == ref.speculate(tokens, k, factor, min_prob, cursor)
+    # a deep copy (the benchmark's repeats restore the proposer's state) is a separate tree
+    # whose copied cursors still grow in it
+    cursor, native_cursor, tokens = growing[0] if growing else (None, None, None)
+    if cursor is not None:
+        copy_tree, copy_cursor = copy.deepcopy((native, native_cursor))
+        copy_tree.extend(copy_cursor, [0, 1])
+        ref_copy, ref_cursor = copy.deepcopy((ref, cursor))
+        ref_copy.extend(ref_cursor, [0, 1])
+        assert copy_tree.speculate(tokens + [0, 1], 4, 1.0, 0.0, copy_cursor) == \
+            ref_copy.speculate(tokens + [0, 1], 4, 1.0, 0.0, ref_cursor)
+        assert native.root_count == ref.root.count == copy_tree.root_count - 2
     for tokens in complete:  # removal of everything inserted in full leaves only the growing
         if tokens is not None:
             ref.remove(tokens)

@@ -262,12 +262,11 @@ class NativeSuffixTree:
     why): the same counts and the same proposals."""
 
     def __init__(self, max_depth: int, module) -> None:
-        self._module = module
-        self._tree = module.SuffixTree(max_depth)
+        self._tree = module.SuffixTree(max_depth)  # (deep copies copy it: benchmarks do)
         self.max_depth = max_depth
 
     def new_cursor(self):
-        return self._module.Cursor()
+        return suffix_native.load().Cursor()
 
     def extend(self, cursor, tokens: list[int]) -> None:
         self._tree.extend(cursor, tokens)

@@ -343,9 +343,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "suffix decoding's counting suffix tree (spec_decode/suffix.py) in C++";
   py::class_<Cursor>(m, "Cursor", "the growing end of one sequence in a tree")
       .def(py::init<>())
-      .def_property_readonly("depth", [](const Cursor& c) { return c.active.size(); });
+      .def_property_readonly("depth", [](const Cursor& c) { return c.active.size(); })
+      .def("__deepcopy__", [](const Cursor& c, py::dict) { return Cursor(c); });
   py::class_<SuffixTree>(m, "SuffixTree")
       .def(py::init<int>(), py::arg("max_depth"))
+      // (a copy keeps every node index, so copies of its cursors stay valid in it)
+      .def("__deepcopy__", [](const SuffixTree& t, py::dict) { return SuffixTree(t); })
       .def_property_readonly("max_depth", &SuffixTree::max_depth)
       .def_property_readonly("root_count", &SuffixTree::root_count)
       .def("num_nodes", &SuffixTree::num_nodes)
