@@ -51,6 +51,16 @@ def assert_counts_exact(tree: SuffixTree, seqs: list[list[int]]) -> None:
             stack.append(child)
 
 
+def python_nodes(tree: SuffixTree) -> int:
+    """How many nodes the Python tree holds, its root included."""
+    stack, n = [tree.root], 0
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend(node.children.values())
+    return n
+
+
 def test_insert_counts_every_substring_up_to_depth():
     tree = SuffixTree(max_depth=3)
     tree.insert([1, 2, 3, 1, 2, 4])
@@ -104,16 +114,7 @@ def test_tree_stays_compact_and_removal_empties_it():
     seqs = [[rng.randrange(1000) for _ in range(200)] for _ in range(5)]
     for s in seqs + seqs[:2]:  # repeats must not split paths into one node per token
         tree.insert(s)
-
-    def num_nodes() -> int:
-        stack, n = [tree.root], 0
-        while stack:
-            node = stack.pop()
-            n += 1
-            stack.extend(node.children.values())
-        return n
-
-    assert num_nodes() <= 2 * sum(len(s) for s in seqs) + 1
+    assert python_nodes(tree) <= 2 * sum(len(s) for s in seqs) + 1
     for s in seqs + seqs[:2]:
         tree.remove(s)
     assert tree.root.count == 0 and not tree.root.children
@@ -183,15 +184,6 @@ def native_module():
     module = suffix_native.load()
     assert module is not None, "the C++ suffix tree did not build (see the log's warning)"
     return module
-
-
-def python_nodes(tree: SuffixTree) -> int:
-    stack, n = [tree.root], 0
-    while stack:
-        node = stack.pop()
-        n += 1
-        stack.extend(node.children.values())
-    return n
 
 
 @pytest.mark.parametrize("seed", range(60))
