@@ -65,7 +65,7 @@ class SuffixTree {
 
   void insert(const std::vector<Token>& tokens, int64_t num_starts) {
     const int64_t n = int64_t(tokens.size());
-    const int64_t starts = num_starts < 0 ? n : std::min(num_starts, n);
+    const int64_t starts = num_starts < 0 ? n : num_starts;  // (as suffix.py: unclamped)
     for (int64_t start = 0; start < starts; ++start) {
       int32_t node = 0;
       nodes_[0].count += 1;
