@@ -263,10 +263,11 @@ class NativeSuffixTree:
 
     def __init__(self, max_depth: int, module) -> None:
         self._tree = module.SuffixTree(max_depth)  # (deep copies copy it: benchmarks do)
+        self._cursor_type = module.Cursor  # (a class: deep copies share it)
         self.max_depth = max_depth
 
     def new_cursor(self):
-        return suffix_native.load().Cursor()
+        return self._cursor_type()
 
     def extend(self, cursor, tokens: list[int]) -> None:
         self._tree.extend(cursor, tokens)
